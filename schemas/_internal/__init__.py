@@ -1,0 +1,1 @@
+"""Implementation modules of the data contracts; import from ``kvgraft.schemas`` instead."""

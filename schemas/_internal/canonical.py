@@ -1,0 +1,91 @@
+"""RFC 8785 (JCS) canonical JSON, and strict JSON parsing.
+
+Signed payloads are the canonical bytes of a statement. Verifiers check signatures over the
+bytes as received and never re-serialize; producers serialize exactly once, here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import rfc8785
+from pydantic import BaseModel
+
+from .errors import CanonicalizationError, DocumentError
+
+#: Nesting deeper than this is refused before parsing: no honest document needs it, and
+#: Python's recursive decoder would otherwise fail with a RecursionError.
+MAX_DEPTH = 64
+
+
+def canonical_json(value: Any) -> bytes:
+    """Serialize a JSON value (dicts, lists, str, int, float, bool, None) per RFC 8785."""
+    try:
+        return rfc8785.dumps(value)
+    except rfc8785.CanonicalizationError as e:
+        raise CanonicalizationError(f"cannot write canonical JSON: {e}") from e
+    except TypeError as e:
+        raise CanonicalizationError(f"cannot write canonical JSON: {e}") from e
+
+
+def canonical_model(model: BaseModel) -> bytes:
+    """Serialize a model per RFC 8785, using its JSON field names (aliases)."""
+    return canonical_json(model.model_dump(mode="json", by_alias=True))
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise DocumentError(f"duplicate key {key!r} in JSON object")
+        seen[key] = value
+    return seen
+
+
+def _reject_constant(name: str) -> Any:
+    raise DocumentError(f"{name} is not valid JSON")
+
+
+def _depth_ok(text: str) -> bool:
+    depth = 0
+    in_string = False
+    escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                return False
+        elif ch in "]}":
+            depth -= 1
+    return True
+
+
+def parse_json(data: bytes | str, *, what: str = "document") -> Any:
+    """Parse JSON strictly: UTF-8 only, no duplicate keys, no NaN/Infinity, bounded depth.
+
+    Raises ``DocumentError`` naming ``what`` and the fault.
+    """
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+    except UnicodeDecodeError as e:
+        raise DocumentError(f"{what} is not UTF-8 text: {e.reason} at byte {e.start}") from e
+    if not _depth_ok(text):
+        raise DocumentError(f"{what} nests deeper than {MAX_DEPTH} levels")
+    try:
+        return json.loads(
+            text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant
+        )
+    except json.JSONDecodeError as e:
+        raise DocumentError(f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+    except DocumentError as e:
+        raise DocumentError(f"{what}: {e}") from e

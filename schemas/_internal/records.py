@@ -1,0 +1,183 @@
+"""Records: exactness, evaluation, pre-registration and replay (DESIGN.md, "Records").
+
+Each is an in-toto statement signed like an artifact; every figure it reports is backed by
+digests of its inputs and outputs so that the verifier can recompute it offline.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from .digests import DigestField, HexDigestField
+from .predicates import DeterminismProfile, ModelRef
+from .statement import Contract, Statement
+
+EXACTNESS_PREDICATE = "https://kvgraft.dev/exactness/v1"
+EVALUATION_PREDICATE = "https://kvgraft.dev/evaluation/v1"
+PRE_REGISTRATION_PREDICATE = "https://kvgraft.dev/pre-registration/v1"
+REPLAY_PREDICATE = "https://kvgraft.dev/replay/v1"
+
+
+# --- exactness -----------------------------------------------------------------------------
+
+
+class LogitsFiles(Contract):
+    """Raw logits attached to a sample, so the verifier recomputes KL and argmax with numpy."""
+
+    fresh: DigestField
+    graft: DigestField
+
+
+class ExactnessSample(Contract):
+    """One comparison of a grafted continuation against a fresh computation."""
+
+    prefix_artifact: DigestField = Field(description="subject digest of the grafted artifact")
+    continuation_digest: DigestField = Field(description="sha256 of the continuation's token ids")
+    fresh_logits_sha256: DigestField
+    graft_logits_sha256: DigestField
+    kl_divergence: float = Field(ge=0.0)
+    argmax_agreement: float = Field(ge=0.0, le=1.0, description="fraction of positions whose argmax agrees")
+    shift: int = Field(default=0, description="positions the graft was moved by; non-zero is approximate")
+    logits_files: LogitsFiles | None = None
+
+
+class ExactnessSummary(Contract):
+    """Counts over the samples."""
+
+    samples: int = Field(ge=0)
+    bitwise_equal: int = Field(ge=0)
+    argmax_agree_all: int = Field(ge=0)
+    max_kl_divergence: float = Field(ge=0.0)
+
+
+class ExactnessPredicate(Contract):
+    """An exactness experiment: fresh vs grafted logits, sample by sample."""
+
+    model: ModelRef
+    profile: DeterminismProfile
+    level: Literal["own-position", "schedule-invariant", "shifted"]
+    samples: list[ExactnessSample]
+    summary: ExactnessSummary
+
+    @model_validator(mode="after")
+    def _counts(self) -> "ExactnessPredicate":
+        if self.summary.samples != len(self.samples):
+            raise ValueError(f"summary counts {self.summary.samples} samples but {len(self.samples)} are listed")
+        return self
+
+
+class ExactnessStatement(Statement):
+    """An in-toto statement whose predicate is an exactness record."""
+
+    predicate_type: Literal["https://kvgraft.dev/exactness/v1"] = Field(
+        default=EXACTNESS_PREDICATE, alias="predicateType"
+    )
+    predicate: ExactnessPredicate  # type: ignore[assignment]
+
+
+# --- evaluation ----------------------------------------------------------------------------
+
+
+class DatasetRef(Contract):
+    """The dataset file evaluated: name and sha256 of its bytes."""
+
+    name: str
+    digest: DigestField
+
+
+class EvaluationItem(Contract):
+    """One graded item; the three harness hashes use lm-evaluation-harness's definitions."""
+
+    doc_id: int = Field(ge=0)
+    doc_hash: HexDigestField
+    prompt_hash: HexDigestField
+    target_hash: HexDigestField
+    output_hash: HexDigestField = Field(description="sha256 hex of the UTF-8 output text")
+    extracted_answer: str | None
+    correct: bool
+    prompt_tokens: int = Field(ge=0)
+    decode_tokens: int = Field(ge=0)
+    library_entry: DigestField | None = Field(default=None, description="artifact grafted for this item")
+
+
+class EvaluationAggregates(Contract):
+    """Aggregates the verifier recomputes from the items."""
+
+    items: int = Field(ge=0)
+    correct: int = Field(ge=0)
+    accuracy: float = Field(ge=0.0, le=1.0)
+    prompt_tokens: int = Field(ge=0)
+    decode_tokens: int = Field(ge=0)
+
+
+class EvaluationPredicate(Contract):
+    """An evaluation run: what was asked, what came out, and how it was graded."""
+
+    model: ModelRef
+    profile: DeterminismProfile
+    dataset: DatasetRef
+    settings: dict[str, str | int | float | bool | None] = Field(description="max_new_tokens, limit, prompt template digest, ...")
+    items: list[EvaluationItem]
+    aggregates: EvaluationAggregates
+    outputs_digest: DigestField = Field(description="sha256 of the outputs file")
+    library_artifacts: list[DigestField] = Field(default_factory=list)
+
+
+class EvaluationStatement(Statement):
+    """An in-toto statement whose predicate is an evaluation record."""
+
+    predicate_type: Literal["https://kvgraft.dev/evaluation/v1"] = Field(
+        default=EVALUATION_PREDICATE, alias="predicateType"
+    )
+    predicate: EvaluationPredicate  # type: ignore[assignment]
+
+
+# --- pre-registration and replay -----------------------------------------------------------
+
+
+class PreRegistrationPredicate(Contract):
+    """What a replay will run and the output digests it must reproduce, logged beforehand."""
+
+    model: ModelRef
+    profile: DeterminismProfile
+    dataset: DatasetRef
+    command: list[str] = Field(min_length=1, description="the replay's command line")
+    settings: dict[str, str | int | float | bool | None]
+    expected_output_hashes: dict[str, HexDigestField] = Field(description="doc_id -> output_hash")
+    expected_outputs_digest: DigestField
+
+
+class PreRegistrationStatement(Statement):
+    """An in-toto statement whose predicate is a pre-registration."""
+
+    predicate_type: Literal["https://kvgraft.dev/pre-registration/v1"] = Field(
+        default=PRE_REGISTRATION_PREDICATE, alias="predicateType"
+    )
+    predicate: PreRegistrationPredicate  # type: ignore[assignment]
+
+
+class PreRegistrationRef(Contract):
+    """Where the pre-registration a replay answers to sits in the log."""
+
+    envelope_digest: DigestField
+    log_index: int = Field(ge=0)
+
+
+class ReplayPredicate(Contract):
+    """A replay's outcome, pointing at the pre-registration it must reproduce."""
+
+    pre_registration: PreRegistrationRef
+    output_hashes: dict[str, HexDigestField]
+    outputs_digest: DigestField
+    reproduced: bool
+
+
+class ReplayStatement(Statement):
+    """An in-toto statement whose predicate is a replay record."""
+
+    predicate_type: Literal["https://kvgraft.dev/replay/v1"] = Field(
+        default=REPLAY_PREDICATE, alias="predicateType"
+    )
+    predicate: ReplayPredicate  # type: ignore[assignment]

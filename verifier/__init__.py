@@ -1,0 +1,63 @@
+"""kvgraft's offline verifier: signatures, digests and records, with no engine and no torch.
+
+Verification functions return what they proved or raise a subclass of ``VerificationError``;
+they never return a bool.
+"""
+
+from ._internal.dsse import (
+    VerifiedEnvelope,
+    b64decode_any,
+    envelope_json,
+    pae,
+    parse_envelope,
+    read_envelope,
+    sign_envelope,
+    sign_statement,
+    verify_envelope,
+    verify_statement_envelope,
+)
+from ._internal.errors import (
+    BadSignatureError,
+    DigestMismatchError,
+    IdentityMismatchError,
+    KeyFileError,
+    MalformedInputError,
+    SubjectMismatchError,
+    ThresholdNotMetError,
+    UnknownKeyError,
+    UnsupportedPayloadTypeError,
+    UntrustedRootError,
+    VerificationError,
+)
+from ._internal.keys import (
+    KeyId,
+    SigningKey,
+    TrustedKey,
+    TrustedKeys,
+    ephemeral_signing_key,
+    generate_private_key,
+    keyid_of,
+    load_private_key,
+    load_public_key,
+    load_trusted_keys,
+    open_signing_key,
+    parse_public_key,
+    parse_trusted_keys,
+    public_key_pem,
+    save_private_key,
+    save_public_key,
+    trusted_key,
+)
+from ._internal.subjects import verify_subjects
+
+__all__ = [
+    "BadSignatureError", "DigestMismatchError", "IdentityMismatchError", "KeyFileError", "KeyId",
+    "MalformedInputError", "SigningKey", "SubjectMismatchError", "ThresholdNotMetError",
+    "TrustedKey", "TrustedKeys", "UnknownKeyError", "UnsupportedPayloadTypeError",
+    "UntrustedRootError", "VerificationError", "VerifiedEnvelope", "b64decode_any",
+    "envelope_json", "ephemeral_signing_key", "generate_private_key", "keyid_of",
+    "load_private_key", "load_public_key", "load_trusted_keys", "open_signing_key", "pae",
+    "parse_envelope", "parse_public_key", "parse_trusted_keys", "public_key_pem", "read_envelope",
+    "save_private_key", "save_public_key", "sign_envelope", "sign_statement", "trusted_key",
+    "verify_envelope", "verify_statement_envelope", "verify_subjects",
+]

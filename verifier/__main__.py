@@ -1,0 +1,5 @@
+"""``python -m kvgraft.verifier`` runs ``kvgraft-verify``."""
+
+from .cli import run
+
+run()

@@ -1,0 +1,1 @@
+"""Implementation modules of the verifier; import from ``kvgraft.verifier`` instead."""

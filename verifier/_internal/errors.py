@@ -1,0 +1,87 @@
+"""The verifier's exceptions: one base class, one subclass per way verification can fail.
+
+Every error carries a ``message`` (what happened) and a ``hint`` (what to do), in pip's style,
+and renders as one line so that ``kvgraft-verify`` can print it without a traceback.
+"""
+
+from __future__ import annotations
+
+
+class VerificationError(Exception):
+    """Base class of every failure the verifier reports.
+
+    Verification never returns a bool: it returns what was verified or raises one of these.
+    """
+
+    #: What the user can do about it; subclasses give a default, callers may override.
+    default_hint: str = "check the inputs named in the message"
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint if hint is not None else self.default_hint
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        # One line, always: the CLI prints exactly this.
+        text = f"{self.message} (hint: {self.hint})"
+        return " ".join(text.split())
+
+
+class MalformedInputError(VerificationError):
+    """An input could not be read or parsed: not JSON, wrong types, bad base64, truncated."""
+
+    default_hint = "pass the file the producer wrote, unmodified"
+
+
+class UnsupportedPayloadTypeError(VerificationError):
+    """A DSSE envelope's payloadType is not one the caller accepts."""
+
+    default_hint = "only application/vnd.in-toto+json statements are accepted"
+
+
+class UnknownKeyError(VerificationError):
+    """No signature was made by a key the verifier trusts."""
+
+    default_hint = "add the signer's public key to the trusted-keys file, if you trust it"
+
+
+class BadSignatureError(VerificationError):
+    """A signature does not verify over the signed bytes."""
+
+    default_hint = "the signed content or the signature was altered; fetch it again from its source"
+
+
+class ThresholdNotMetError(VerificationError):
+    """Fewer distinct trusted keys signed than the threshold requires."""
+
+    default_hint = "collect signatures from more distinct trusted keys, or lower the threshold"
+
+
+class DigestMismatchError(VerificationError):
+    """Bytes on disk (or a claimed digest) do not match the digest they were signed under."""
+
+    default_hint = "the file was altered or replaced; fetch it again from its source"
+
+
+class SubjectMismatchError(DigestMismatchError):
+    """The files on disk are not exactly a statement's subjects (missing, extra, or different)."""
+
+    default_hint = "the directory must hold exactly the files the statement names, unmodified"
+
+
+class UntrustedRootError(VerificationError):
+    """A Sigstore bundle does not chain to the trusted root (or the root is unusable)."""
+
+    default_hint = "pass the trusted root the signer used (--trusted-root FILE, or --staging)"
+
+
+class IdentityMismatchError(VerificationError):
+    """A Sigstore certificate names a different identity or issuer than required."""
+
+    default_hint = "check --certificate-identity and --certificate-oidc-issuer"
+
+
+class KeyFileError(MalformedInputError):
+    """A key or trusted-keys file cannot be used: unreadable, wrong format, wrong passphrase."""
+
+    default_hint = "pass an Ed25519 PEM key written by 'kvgraft keys generate' (and its passphrase)"

@@ -1,0 +1,154 @@
+"""``kvgraft-verify``: the standalone, offline verifier's command line.
+
+Imports only ``kvgraft.verifier`` and ``kvgraft.schemas``. Every failure ends with exit status 1
+and one line on stderr saying what failed and what to do; success prints one line on stdout
+(or one JSON object with ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from enum import IntEnum
+from pathlib import Path
+from typing import Any
+
+from kvgraft.schemas import InvalidDigestError, SchemaError, parse_sha256
+
+from ._internal.dsse import read_envelope, verify_statement_envelope
+from ._internal.errors import MalformedInputError, VerificationError
+from ._internal.keys import load_trusted_keys, read_limited
+from ._internal.subjects import verify_subjects
+
+
+class ExitCode(IntEnum):
+    """The verifier's exit statuses."""
+
+    OK = 0
+    #: Verification failed, or an input was malformed: one line on stderr says which.
+    FAILED = 1
+    #: The command line itself was wrong (argparse's convention).
+    USAGE = 2
+
+
+def _cmd_envelope(args: argparse.Namespace) -> dict[str, Any]:
+    trusted = load_trusted_keys(args.trusted_keys)
+    envelope = read_envelope(args.envelope)
+    verified, statement = verify_statement_envelope(envelope, trusted)
+    result: dict[str, Any] = {
+        "verified": "envelope",
+        "predicate_type": statement.predicate_type,
+        "signers": [{"name": k.name, "keyid": k.keyid} for k in verified.signers],
+        "subjects": [s.name for s in statement.subject],
+    }
+    if args.artifact_dir is not None:
+        result["subjects_checked"] = verify_subjects(statement, args.artifact_dir, exclude=[args.envelope])
+    signers = ", ".join(f"{k.name} ({k.keyid[:16]})" for k in verified.signers)
+    checked = f"; {len(result['subjects_checked'])} subject file(s) match" if "subjects_checked" in result else ""
+    result["summary"] = f"OK: {statement.predicate_type} statement signed by {signers}{checked}"
+    return result
+
+
+def _artifact_arg(value: str) -> Path | Any:
+    if value.startswith("sha256:"):
+        try:
+            return parse_sha256(value)
+        except InvalidDigestError as e:
+            raise MalformedInputError(str(e), hint="give a file path or sha256: and 64 lowercase hex digits") from e
+    return Path(value)
+
+
+def _cmd_verify_bundle(args: argparse.Namespace) -> dict[str, Any]:
+    # Imported here: sigstore is only needed for bundles, and is slow to import.
+    from ._internal.bundles import CertificateIdentity, ManagedKey, verify_bundle
+
+    policy: CertificateIdentity | ManagedKey
+    if args.key is not None:
+        policy = ManagedKey(read_limited(args.key, 64 * 1024, "key file"))
+    else:
+        if args.certificate_identity is None or args.certificate_oidc_issuer is None:
+            raise MalformedInputError(
+                "verify-bundle needs --certificate-identity and --certificate-oidc-issuer, or --key",
+                hint="name the signer you expect",
+            )
+        policy = CertificateIdentity(args.certificate_identity, args.certificate_oidc_issuer)
+    verified = verify_bundle(
+        args.bundle, _artifact_arg(args.artifact), policy, trusted_root=args.trusted_root, staging=args.staging
+    )
+    return {
+        "verified": "bundle",
+        "kind": verified.kind,
+        "signer": verified.signer,
+        "summary": f"OK: {verified.kind} bundle {args.bundle} verified for {verified.signer}",
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for the docs and tests)."""
+    parser = argparse.ArgumentParser(
+        prog="kvgraft-verify",
+        description="Verify kvgraft artifacts, records and Sigstore bundles offline, without the engine.",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a line")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    env = sub.add_parser("envelope", help="verify a DSSE envelope against trusted keys (and its subjects)")
+    env.add_argument("envelope", type=Path, help="the .dsse.json envelope")
+    env.add_argument("--trusted-keys", type=Path, required=True, help="trusted-keys JSON file")
+    env.add_argument("--artifact-dir", type=Path, help="check that this directory holds exactly the subjects")
+    env.set_defaults(run=_cmd_envelope)
+
+    vb = sub.add_parser(
+        "verify-bundle",
+        help="verify a Sigstore bundle (sigstore-conformance client protocol)",
+    )
+    vb.add_argument("--bundle", type=Path, required=True, help="the Sigstore bundle JSON")
+    vb.add_argument("--certificate-identity", help="the signing certificate's expected SAN")
+    vb.add_argument("--certificate-oidc-issuer", help="the signing certificate's expected OIDC issuer")
+    vb.add_argument("--key", type=Path, help="a PEM public key, for bundles signed by a managed key")
+    vb.add_argument("--trusted-root", type=Path, help="trusted_root.json (default: the shipped production root)")
+    vb.add_argument("--staging", action="store_true", help="use the shipped staging trusted root")
+    vb.add_argument("artifact", metavar="FILE_OR_sha256:HEX", help="the signed file, or its sha256 digest")
+    vb.set_defaults(run=_cmd_verify_bundle)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``kvgraft-verify``; return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = args.run(args)
+    except VerificationError as e:
+        return _fail(args, type(e).__name__, str(e))
+    except SchemaError as e:
+        return _fail(args, "MalformedInputError", f"{e} (hint: pass the file the producer wrote, unmodified)")
+    except Exception as e:  # noqa: BLE001 - last resort: an auditor must never see a traceback
+        if os.environ.get("KVGRAFT_DEBUG"):
+            raise
+        return _fail(args, "InternalError", f"unexpected {type(e).__name__}: {e} (this is a bug in kvgraft-verify; set KVGRAFT_DEBUG=1 for a traceback and report it)")
+    if args.json:
+        sys.stdout.write(json.dumps({"ok": True, **result}, sort_keys=True) + "\n")
+    else:
+        sys.stdout.write(result["summary"] + "\n")
+    return ExitCode.OK
+
+
+def _fail(args: argparse.Namespace, error: str, message: str) -> int:
+    line = " ".join(message.split())
+    if args.json:
+        sys.stdout.write(json.dumps({"ok": False, "error": error, "message": line}, sort_keys=True) + "\n")
+    sys.stderr.write(f"kvgraft-verify: {error}: {line}\n")
+    return ExitCode.FAILED
+
+
+def run() -> None:
+    """Console-script entry point."""
+    raise SystemExit(main())
+
+
+if __name__ == "__main__":
+    run()
