@@ -47,6 +47,7 @@ from ._internal.keys import (
     save_private_key,
     save_public_key,
     trusted_key,
+    write_atomic,
 )
 from ._internal.subjects import verify_subjects
 
@@ -59,5 +60,5 @@ __all__ = [
     "load_private_key", "load_public_key", "load_trusted_keys", "open_signing_key", "pae",
     "parse_envelope", "parse_public_key", "parse_trusted_keys", "public_key_pem", "read_envelope",
     "save_private_key", "save_public_key", "sign_envelope", "sign_statement", "trusted_key",
-    "verify_envelope", "verify_statement_envelope", "verify_subjects",
+    "verify_envelope", "verify_statement_envelope", "verify_subjects", "write_atomic",
 ]

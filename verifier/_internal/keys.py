@@ -62,7 +62,8 @@ def read_limited(path: Path, limit: int, what: str) -> bytes:
         raise KeyFileError(f"cannot read {what} {path}: {e.strerror}") from e
 
 
-def _write_atomic(path: Path, data: bytes, mode: int) -> None:
+def write_atomic(path: Path, data: bytes, mode: int) -> None:
+    """Write ``data`` to ``path`` with ``mode`` via a fsynced temp file and a rename."""
     # Write beside the target and rename, so a crash never leaves a half-written key behind.
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -92,12 +93,12 @@ def save_private_key(key: Ed25519PrivateKey, path: Path, passphrase: bytes | Non
         serialization.BestAvailableEncryption(passphrase) if passphrase else serialization.NoEncryption()
     )
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
-    _write_atomic(path, pem, 0o600)
+    write_atomic(path, pem, 0o600)
 
 
 def save_public_key(public_key: Ed25519PublicKey, path: Path) -> None:
     """Write the public key as SubjectPublicKeyInfo PEM, mode 0644."""
-    _write_atomic(path, public_key_pem(public_key), 0o644)
+    write_atomic(path, public_key_pem(public_key), 0o644)
 
 
 def load_private_key(path: Path, passphrase: bytes | None = None) -> Ed25519PrivateKey:

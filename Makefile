@@ -1,0 +1,33 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+# Each creates .venv and installs what it needs: torch 2.13.0 (the CPU wheel) first, so that no
+# other requirement can pull a multi-GB CUDA build, then the project with all extras.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvgraft-installed
+
+.PHONY: demo test install schemas clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade "pip>=24" "setuptools>=77" wheel
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[all]'
+	touch $@
+
+# pytest exits 5 when it collected no test; that is a failure here, as is any other non-zero.
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+demo: $(STAMP)
+	bash scripts/demo.sh
+
+# Regenerate schemas/json/ after changing a model (a test fails while they are stale).
+schemas: $(STAMP)
+	$(BIN)/python -m kvgraft.schemas
+
+clean:
+	rm -rf $(VENV) demo-out test-artifacts .pytest_cache

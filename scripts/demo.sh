@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The end-to-end demo at this stage of the project: make a key, trust it, sign a statement about
+# a file, verify it offline, then tamper with the file and with the signature and show that the
+# verifier refuses both. Run through `make demo`, which installs everything first.
+set -euo pipefail
+
+BIN="${BIN:-.venv/bin}"
+OUT="${DEMO_OUT:-demo-out}"
+rm -rf "$OUT"
+mkdir -p "$OUT/artifact"
+
+step() { printf '\n== %s\n' "$*"; }
+show() { printf '$ %s\n' "$*"; "$@"; }
+# Runs a command that must be refused; the demo fails if it is accepted.
+refused() {
+  printf '$ %s\n' "$*"
+  if "$@"; then
+    echo "demo FAILED: the verifier accepted tampered input" >&2
+    exit 1
+  fi
+  echo "(refused, exit status $?, as it should be)"
+}
+
+step "1. Make a signing key and trust its public half"
+show "$BIN/kvgraft" keys generate --out "$OUT/alice.pem"
+show "$BIN/kvgraft" keys trust --file "$OUT/trusted-keys.json" --name alice --public-key "$OUT/alice.pem.pub"
+
+step "2. Sign an in-toto statement about a file"
+cp data/demo/knowledge.txt "$OUT/artifact/knowledge.txt"
+cat > "$OUT/predicate.json" <<'JSON'
+{"note": "a verified worked solution, to be captured as KV state once the engine lands"}
+JSON
+show "$BIN/kvgraft" sign --key "$OUT/alice.pem" --subject "$OUT/artifact/knowledge.txt" \
+  --predicate-type https://kvgraft.dev/demo/v1 --predicate "$OUT/predicate.json" \
+  --out "$OUT/artifact/statement.dsse.json"
+
+step "3. Verify it offline: signature, signer, and the files on disk"
+show "$BIN/kvgraft-verify" envelope "$OUT/artifact/statement.dsse.json" \
+  --trusted-keys "$OUT/trusted-keys.json" --artifact-dir "$OUT/artifact"
+
+step "4. Tamper with one byte of the file: refused"
+cp -r "$OUT/artifact" "$OUT/tampered-file"
+printf 'X' | dd of="$OUT/tampered-file/knowledge.txt" bs=1 seek=10 conv=notrunc status=none
+refused "$BIN/kvgraft-verify" envelope "$OUT/tampered-file/statement.dsse.json" \
+  --trusted-keys "$OUT/trusted-keys.json" --artifact-dir "$OUT/tampered-file"
+
+step "5. Tamper with the signed statement: refused"
+cp -r "$OUT/artifact" "$OUT/tampered-statement"
+"$BIN/python" - "$OUT/tampered-statement/statement.dsse.json" <<'PY'
+import base64, json, sys
+path = sys.argv[1]
+env = json.load(open(path))
+payload = base64.b64decode(env["payload"]).replace(b"verified", b"VERIFIED")
+env["payload"] = base64.b64encode(payload).decode()
+json.dump(env, open(path, "w"), indent=2)
+PY
+refused "$BIN/kvgraft-verify" envelope "$OUT/tampered-statement/statement.dsse.json" \
+  --trusted-keys "$OUT/trusted-keys.json"
+
+step "6. A signature by a key nobody trusts: refused"
+show "$BIN/kvgraft" keys generate --out "$OUT/mallory.pem"
+show "$BIN/kvgraft" sign --key "$OUT/mallory.pem" --subject "$OUT/artifact/knowledge.txt" \
+  --predicate-type https://kvgraft.dev/demo/v1 --predicate "$OUT/predicate.json" \
+  --out "$OUT/mallory.dsse.json"
+refused "$BIN/kvgraft-verify" envelope "$OUT/mallory.dsse.json" --trusted-keys "$OUT/trusted-keys.json"
+
+printf '\ndemo OK: outputs under %s/\n' "$OUT"
