@@ -16,9 +16,9 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
-from kvgraft.schemas import InvalidDigestError, SchemaError, parse_sha256
+from kvgraft.schemas import InvalidDigestError, SchemaError, parse_sha256, sha256_bytes
 
-from ._internal.dsse import read_envelope, verify_statement_envelope
+from ._internal.dsse import read_envelope, verify_envelope, verify_statement_envelope
 from ._internal.errors import MalformedInputError, VerificationError
 from ._internal.keys import load_trusted_keys, read_limited
 from ._internal.subjects import verify_subjects
@@ -37,6 +37,22 @@ class ExitCode(IntEnum):
 def _cmd_envelope(args: argparse.Namespace) -> dict[str, Any]:
     trusted = load_trusted_keys(args.trusted_keys)
     envelope = read_envelope(args.envelope)
+    if args.dsse_only:
+        if args.artifact_dir is not None:
+            raise MalformedInputError(
+                "--artifact-dir needs the statement, which --dsse-only does not read",
+                hint="drop one of the two options",
+            )
+        verified = verify_envelope(envelope, trusted)
+        signers = ", ".join(f"{k.name} ({k.keyid[:16]})" for k in verified.signers)
+        return {
+            "verified": "dsse",
+            "payload_type": verified.payload_type,
+            "payload_sha256": sha256_bytes(verified.payload),
+            "signers": [{"name": k.name, "keyid": k.keyid} for k in verified.signers],
+            "summary": f"OK: DSSE envelope ({verified.payload_type}, {len(verified.payload)} payload bytes) "
+            f"signed by {signers}",
+        }
     verified, statement = verify_statement_envelope(envelope, trusted)
     result: dict[str, Any] = {
         "verified": "envelope",
@@ -99,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("envelope", type=Path, help="the .dsse.json envelope")
     env.add_argument("--trusted-keys", type=Path, required=True, help="trusted-keys JSON file")
     env.add_argument("--artifact-dir", type=Path, help="check that this directory holds exactly the subjects")
+    env.add_argument(
+        "--dsse-only",
+        action="store_true",
+        help="check the DSSE signatures and threshold only; do not read the payload as an in-toto statement",
+    )
     env.set_defaults(run=_cmd_envelope)
 
     vb = sub.add_parser(

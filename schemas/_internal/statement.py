@@ -14,7 +14,7 @@ STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 class Contract(BaseModel):
     """Base of every kvgraft document model: frozen, strict about unknown fields."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True, strict=True)
 
 
 class SubjectDigest(Contract):

@@ -183,7 +183,7 @@ def ephemeral_signing_key(key: Ed25519PrivateKey) -> Iterator[SigningKey]:
 
 
 class _TrustedKeyEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     name: str = Field(min_length=1)
     public_key_pem: str
@@ -191,7 +191,7 @@ class _TrustedKeyEntry(BaseModel):
 
 
 class _TrustedKeysFile(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     version: int = Field(ge=1, le=1)
     keys: list[_TrustedKeyEntry] = Field(min_length=1)
