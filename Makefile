@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml
 
 # pytest exits 5 when it collected no test; that is a failure here, as is any other non-zero.
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
 demo: $(STAMP)

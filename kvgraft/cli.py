@@ -15,20 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from kvgraft.schemas import (
-    DocumentError,
     SchemaError,
     Statement,
     Subject,
     SubjectDigest,
+    canonical_model,
     hex_of,
     parse_json,
     parse_statement,
     sha256_file,
-    canonical_model,
 )
 from kvgraft.verifier import (
-    KeyFileError,
-    MalformedInputError,
     TrustedKeys,
     VerificationError,
     envelope_json,

@@ -57,7 +57,7 @@ class PositionRange(Contract):
     end: int = Field(ge=0)
 
     @model_validator(mode="after")
-    def _ordered(self) -> "PositionRange":
+    def _ordered(self) -> PositionRange:
         if self.end < self.start:
             raise ValueError(f"position range [{self.start}, {self.end}) ends before it starts")
         return self
@@ -86,7 +86,7 @@ class KvArtifactPredicate(Contract):
     created: str = Field(description="creation time, RFC 3339, informational")
 
     @model_validator(mode="after")
-    def _span_matches(self) -> "KvArtifactPredicate":
+    def _span_matches(self) -> KvArtifactPredicate:
         width = self.positions.end - self.positions.start
         if width != len(self.tokens.ids):
             raise ValueError(

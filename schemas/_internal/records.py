@@ -62,7 +62,7 @@ class ExactnessPredicate(Contract):
     summary: ExactnessSummary
 
     @model_validator(mode="after")
-    def _counts(self) -> "ExactnessPredicate":
+    def _counts(self) -> ExactnessPredicate:
         if self.summary.samples != len(self.samples):
             raise ValueError(f"summary counts {self.summary.samples} samples but {len(self.samples)} are listed")
         return self

@@ -85,3 +85,16 @@ class KeyFileError(MalformedInputError):
     """A key or trusted-keys file cannot be used: unreadable, wrong format, wrong passphrase."""
 
     default_hint = "pass an Ed25519 PEM key written by 'kvgraft keys generate' (and its passphrase)"
+
+
+class LogEntryError(VerificationError):
+    """A bundle's transparency log entry is malformed, unproven, or inconsistent with the bundle.
+
+    Covers the inclusion proof, the signed checkpoint, the signed entry timestamp, and the entry
+    body's agreement with the signature, artifact digest and signer (CVE-2022-36056-style swaps).
+    """
+
+    default_hint = (
+        "the bundle's log entry was altered or belongs to another signature; "
+        "fetch the bundle again from its source"
+    )
