@@ -1,4 +1,53 @@
 """The engine: models, determinism profiles, KV capture and graft (extra ``engine``).
 
-Not built yet: see the engine issue. It will import ``kvgraft.schemas`` and ``kvgraft.verifier``.
+Imports ``kvgraft.schemas`` and ``kvgraft.verifier`` (to sign and check); never the registry.
 """
+
+from ._internal.artifacts import (
+    KV_FILE,
+    STATEMENT_FILE,
+    Captured,
+    LoadedArtifact,
+    chain_key,
+    ensure_local_key,
+    load_artifact,
+    local_key_path,
+    logits_digest,
+    token_digest,
+)
+from ._internal.errors import (
+    ArtifactError,
+    EngineError,
+    InputTextError,
+    KvFileError,
+    ModelFileError,
+    ModelNotInstalledError,
+    ProfileMismatchError,
+    UnknownModelError,
+)
+from ._internal.kvfile import deserialize, read_kv_file, serialize
+from ._internal.kvstate import KVState, Segment
+from ._internal.models import (
+    MODELS,
+    LoadedModel,
+    ModelSpec,
+    cache_dir,
+    ensure_cached,
+    is_cached,
+    is_installed,
+    kvgraft_home,
+    load_model,
+    locate_gguf,
+    spec_for,
+)
+from ._internal.ops import Continuation, capture, fresh, generate, graft, read_text
+from ._internal.profiles import DEFAULT_PROFILE, PROFILES, applied, current_profile, require_same
+
+__all__ = [
+    "ArtifactError", "Captured", "Continuation", "DEFAULT_PROFILE", "EngineError", "InputTextError", "KVState",
+    "KV_FILE", "KvFileError", "LoadedArtifact", "LoadedModel", "MODELS", "ModelFileError", "ModelNotInstalledError",
+    "ModelSpec", "PROFILES", "ProfileMismatchError", "STATEMENT_FILE", "Segment", "UnknownModelError", "applied",
+    "cache_dir", "capture", "chain_key", "current_profile", "deserialize", "ensure_cached", "ensure_local_key",
+    "fresh", "generate", "graft", "is_cached", "is_installed", "kvgraft_home", "load_artifact", "load_model", "local_key_path",
+    "locate_gguf", "logits_digest", "read_kv_file", "read_text", "require_same", "serialize", "spec_for", "token_digest",
+]

@@ -111,6 +111,109 @@ def _cmd_sign(args: argparse.Namespace) -> dict[str, Any]:
     return {"envelope": str(args.out), "keyid": kid, "summary": f"signed {len(subjects)} subject(s) as {args.out} with key {kid}"}
 
 
+# --- engine commands (torch imported lazily) ---------------------------------------------------
+
+
+def _engine() -> Any:
+    try:
+        import kvgraft.engine as engine
+    except ImportError as e:
+        raise CliError(f"the engine is not installed ({e.name} is missing)", hint="pip install 'kvgraft[engine]' (torch==2.13.0 first)") from e
+    return engine
+
+
+def _trusted(args: argparse.Namespace) -> TrustedKeys | None:
+    return load_trusted_keys(args.trusted_keys) if getattr(args, "trusted_keys", None) else None
+
+
+def _cmd_models_list(args: argparse.Namespace) -> dict[str, Any]:
+    engine = _engine()
+    rows = []
+    for spec in engine.MODELS.values():
+        installed, cached = engine.is_installed(spec), engine.is_cached(spec)
+        fingerprint = f"gguf sha256:{spec.gguf_sha256}" if spec.gguf_sha256 else "seeded weights (built in code)"
+        rows.append({"name": spec.name, "architecture": spec.architecture, "window": spec.window,
+                     "fingerprint": fingerprint, "installed": installed, "cached": cached, "description": spec.description})
+    lines = [f"{'NAME':<16} {'ARCH':<7} {'WINDOW':>6}  {'INSTALLED':<9} {'CACHED':<6} FINGERPRINT"]
+    lines += [f"{r['name']:<16} {r['architecture']:<7} {r['window']:>6}  {'yes' if r['installed'] else 'no':<9} "
+              f"{'yes' if r['cached'] else 'no':<6} {r['fingerprint']}" for r in rows]
+    return {"models": rows, "summary": "\n".join(lines)}
+
+
+def _model_and_profile(engine: Any, name: str, profile: str) -> tuple[Any, Any]:
+    return engine.load_model(name), engine.current_profile(profile)
+
+
+def _cmd_capture(args: argparse.Namespace) -> dict[str, Any]:
+    engine = _engine()
+    text = engine.read_text(args.text_file)
+    model, profile = _model_and_profile(engine, args.model, args.profile)
+    parent = engine.load_artifact(args.parent, model, profile, trusted=_trusted(args)) if args.parent else None
+    note = ""
+    key = args.key
+    if key is None:
+        key, made = engine.ensure_local_key()
+        note = f" (signed with the local key {key}{', made now' if made else ''}; pass --key to use yours)"
+    captured = engine.capture(model, profile, text, args.out, key=key, parent=parent, passphrase=_passphrase(args.passphrase_env))
+    p = captured.statement.predicate
+    return {
+        "artifact": str(captured.directory), "kv_sha256": captured.kv_digest.removeprefix("sha256:"),
+        "positions": [p.positions.start, p.positions.end], "tokens": len(p.tokens.ids), "keyid": captured.keyid,
+        "chain_key": p.chain_key, "key": str(key),
+        "summary": f"captured {len(p.tokens.ids)} tokens at [{p.positions.start}, {p.positions.end}) of {args.model} "
+        f"into {captured.directory}; kv {captured.kv_digest}{note}",
+    }
+
+
+def _cmd_graft(args: argparse.Namespace) -> dict[str, Any]:
+    engine = _engine()
+    text = engine.read_text(args.text_file)
+    model_name = _artifact_model(engine, args.artifact)
+    model, profile = _model_and_profile(engine, model_name, args.profile)
+    artifact = engine.load_artifact(args.artifact, model, profile, trusted=_trusted(args))
+    result = engine.graft(model, profile, artifact, text).summary()
+    result["signature"] = artifact.signature
+    result["summary"] = f"graft of {args.artifact}: logits_sha256 {result['logits_sha256']} over positions {result['positions']}"
+    return result
+
+
+def _artifact_model(engine: Any, directory: Path) -> str:
+    # The model to load is named by the artifact; everything else is checked after loading.
+    from kvgraft.verifier import b64decode_any, read_envelope
+
+    statement_path = directory / engine.STATEMENT_FILE
+    if not statement_path.is_file():
+        raise CliError(f"{directory} has no {engine.STATEMENT_FILE}", hint="pass an artifact directory written by 'kvgraft capture'")
+    envelope = read_envelope(statement_path)
+    statement = parse_statement(b64decode_any(envelope.payload, what="envelope payload"), what=str(statement_path))
+    model = getattr(getattr(statement, "predicate", None), "model", None)
+    if model is None:
+        raise CliError(f"{statement_path} is not a KV artifact statement", hint="pass an artifact directory")
+    return str(model.name)
+
+
+def _cmd_fresh(args: argparse.Namespace) -> dict[str, Any]:
+    engine = _engine()
+    prefix = engine.read_text(args.prefix_file, what="prefix file")
+    text = engine.read_text(args.text_file)
+    model, profile = _model_and_profile(engine, args.model, args.profile)
+    result = engine.fresh(model, profile, prefix, text).summary()
+    result["summary"] = f"fresh {args.model}: logits_sha256 {result['logits_sha256']} over positions {result['positions']}"
+    return result
+
+
+def _cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
+    engine = _engine()
+    if args.max_new_tokens < 1:
+        raise CliError("--max-new-tokens must be at least 1", hint="e.g. --max-new-tokens 64")
+    text = engine.read_text(args.text_file)
+    model, profile = _model_and_profile(engine, _artifact_model(engine, args.artifact), args.profile)
+    artifact = engine.load_artifact(args.artifact, model, profile, trusted=_trusted(args))
+    result = engine.generate(model, profile, artifact, text, args.max_new_tokens)
+    result["summary"] = str(result["text"])
+    return result
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``kvgraft``."""
     parser = argparse.ArgumentParser(prog="kvgraft", description="Capture, sign, publish and graft KV state.")
@@ -138,7 +241,60 @@ def build_parser() -> argparse.ArgumentParser:
     sign.add_argument("--predicate", type=Path, required=True, help="JSON file holding the predicate object")
     sign.add_argument("--out", type=Path, required=True, help="where to write the envelope (.dsse.json)")
     sign.set_defaults(run=_cmd_sign)
+
+    models = sub.add_parser("models", help="the models kvgraft knows")
+    msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    mlist = msub.add_parser("list", help="name, architecture, window, fingerprint, installed and cached")
+    mlist.set_defaults(run=_cmd_models_list)
+
+    def engine_opts(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--profile", default="cpu-fp32", help="determinism profile (default cpu-fp32)")
+        p.add_argument("--trusted-keys", type=Path, help="check artifact signatures against these keys")
+
+    cap = sub.add_parser("capture", help="run a text through a model and write its KV state as a signed artifact")
+    cap.add_argument("--model", required=True)
+    cap.add_argument("--text-file", type=Path, required=True)
+    cap.add_argument("--out", type=Path, required=True, help="the artifact directory to create")
+    cap.add_argument("--parent", type=Path, help="an artifact to continue from (a chain)")
+    cap.add_argument("--key", type=Path, help="Ed25519 private key (default: a local key under $KVGRAFT_HOME)")
+    cap.add_argument("--passphrase-env", metavar="VAR", help="the key's passphrase is in this environment variable")
+    engine_opts(cap)
+    cap.set_defaults(run=_cmd_capture)
+
+    gr = sub.add_parser("graft", help="restore an artifact at its own positions and run a continuation")
+    gr.add_argument("--artifact", type=Path, required=True)
+    gr.add_argument("--text-file", type=Path, required=True)
+    engine_opts(gr)
+    gr.set_defaults(run=_cmd_graft)
+
+    fr = sub.add_parser("fresh", help="recompute a prefix from its text, then run the same continuation")
+    fr.add_argument("--model", required=True)
+    fr.add_argument("--prefix-file", type=Path, required=True)
+    fr.add_argument("--text-file", type=Path, required=True)
+    fr.add_argument("--profile", default="cpu-fp32")
+    fr.set_defaults(run=_cmd_fresh)
+
+    gen = sub.add_parser("generate", help="decode greedily from a grafted artifact")
+    gen.add_argument("--artifact", type=Path, required=True)
+    gen.add_argument("--text-file", type=Path, required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    engine_opts(gen)
+    gen.set_defaults(run=_cmd_generate)
     return parser
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    # The engine's base error counts only once the engine was imported by the command.
+    engine = sys.modules.get("kvgraft.engine")
+    return (CliError, VerificationError, SchemaError, *((engine.EngineError,) if engine else ()))
+
+
+def _fail(args: argparse.Namespace, e: BaseException) -> int:
+    line = " ".join(str(e).split())
+    if args.json:
+        sys.stdout.write(json.dumps({"ok": False, "error": type(e).__name__, "message": line}) + "\n")
+    sys.stderr.write(f"kvgraft: {type(e).__name__}: {line}\n")
+    return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -146,12 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = args.run(args)
-    except (CliError, VerificationError, SchemaError) as e:
-        line = " ".join(str(e).split())
-        if args.json:
-            sys.stdout.write(json.dumps({"ok": False, "error": type(e).__name__, "message": line}) + "\n")
-        sys.stderr.write(f"kvgraft: {type(e).__name__}: {line}\n")
-        return 1
+    except Exception as e:
+        if isinstance(e, _user_errors()):
+            return _fail(args, e)
+        raise
     if args.json:
         sys.stdout.write(json.dumps({"ok": True, **result}, sort_keys=True) + "\n")
     else:

@@ -1,0 +1,1 @@
+"""Implementation modules of the engine; import from ``kvgraft.engine`` instead."""

@@ -1,0 +1,135 @@
+"""Deterministic safetensors writing and strict reading.
+
+The same tensors always give the same bytes: names sorted, header written as compact JSON
+with sorted keys, padded with spaces to an 8-byte boundary, data laid out in name order.
+Reading checks every offset, dtype and shape against the byte count before any tensor is made,
+so a hostile header is refused with ``KvFileError`` instead of crashing or over-allocating.
+The format is the one documented at https://github.com/huggingface/safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from .errors import KvFileError
+
+_DTYPES: dict[torch.dtype, tuple[str, int]] = {
+    torch.float32: ("F32", 4),
+    torch.float16: ("F16", 2),
+    torch.bfloat16: ("BF16", 2),
+    torch.int64: ("I64", 8),
+    torch.int32: ("I32", 4),
+}
+_BY_NAME = {name: (dtype, size) for dtype, (name, size) in _DTYPES.items()}
+#: A header larger than this is refused before it is read.
+MAX_HEADER = 16 * 1024 * 1024
+
+
+def serialize(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The safetensors bytes of ``tensors`` (CPU, contiguous, little-endian), deterministically."""
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(sorted(metadata.items()))
+    blobs: list[bytes] = []
+    offset = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.dtype not in _DTYPES:
+            raise KvFileError(f"tensor {name} has dtype {t.dtype}, which kv files do not store", hint="a bug: report it")
+        data = t.detach().to("cpu").contiguous().numpy().tobytes() if t.dtype != torch.bfloat16 else (
+            t.detach().to("cpu").contiguous().view(torch.int16).numpy().tobytes()
+        )
+        header[name] = {"dtype": _DTYPES[t.dtype][0], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + b"".join(blobs)
+
+
+def deserialize(data: bytes, *, source: str = "kv file") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Parse safetensors bytes strictly; return (tensors, metadata)."""
+    if len(data) < 8:
+        raise KvFileError(f"{source} is {len(data)} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > MAX_HEADER or n > len(data) - 8:
+        raise KvFileError(f"{source} declares a {n}-byte header but holds {len(data) - 8} bytes after the length")
+    try:
+        header = json.loads(data[8 : 8 + n].decode("utf-8"), object_pairs_hook=_unique)
+    except (UnicodeDecodeError, json.JSONDecodeError, KvFileError) as e:
+        raise KvFileError(f"{source} has an unreadable header: {e}") from e
+    if not isinstance(header, dict):
+        raise KvFileError(f"{source} header is not a JSON object")
+    body = memoryview(data)[8 + n :]
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise KvFileError(f"{source} __metadata__ must map strings to strings")
+    spans: list[tuple[int, int, str]] = []
+    tensors: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        dtype, shape, (start, end) = _entry(name, info, source)
+        spans.append((start, end, name))
+        count = 1
+        for dim in shape:
+            count *= dim
+        if end - start != count * _BY_NAME[info["dtype"]][1] or end > len(body):
+            raise KvFileError(
+                f"{source}: tensor {name} of shape {shape} and dtype {info['dtype']} needs "
+                f"{count * _BY_NAME[info['dtype']][1]} bytes, but its offsets [{start}, {end}) do not fit the {len(body)}-byte body"
+            )
+        raw = bytes(body[start:end])
+        if dtype == torch.bfloat16:
+            t = torch.frombuffer(bytearray(raw), dtype=torch.int16).view(torch.bfloat16) if raw else torch.empty(0, dtype=dtype)
+        else:
+            t = torch.frombuffer(bytearray(raw), dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        tensors[name] = t.reshape(shape)
+    spans.sort()
+    cursor = 0
+    for start, end, name in spans:
+        if start != cursor:
+            raise KvFileError(f"{source}: tensor {name} starts at {start}, expected {cursor} (overlap or gap)")
+        cursor = end
+    if cursor != len(body):
+        raise KvFileError(f"{source}: {len(body) - cursor} trailing bytes after the last tensor")
+    return tensors, dict(metadata)
+
+
+def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in pairs:
+        if k in out:
+            raise KvFileError(f"duplicate tensor name {k!r}")
+        out[k] = v
+    return out
+
+
+def _entry(name: str, info: object, source: str) -> tuple[torch.dtype, list[int], tuple[int, int]]:
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise KvFileError(f"{source}: tensor {name} must have exactly dtype, shape and data_offsets")
+    if info["dtype"] not in _BY_NAME:
+        raise KvFileError(f"{source}: tensor {name} has unsupported dtype {info['dtype']!r}")
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape):
+        raise KvFileError(f"{source}: tensor {name} has an invalid shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise KvFileError(f"{source}: tensor {name} has invalid data_offsets {offsets!r}")
+    return _BY_NAME[info["dtype"]][0], shape, (offsets[0], offsets[1])
+
+
+def read_kv_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read and parse a kv.safetensors file."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise KvFileError(f"cannot read {path}: {e.strerror}") from e
+    return deserialize(data, source=str(path))

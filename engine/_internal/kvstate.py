@@ -1,0 +1,143 @@
+"""The KV state: one object holding a model's attention cache after some tokens, with one update
+path (``extend``) and exact export and import of every layer's state.
+
+Full-attention layers hold keys and values for every position. Sliding-window layers (Gemma 3's
+local layers) hold only their last ``window - 1`` positions plus a count of tokens seen; both
+parts are captured, because re-inserting the tensors alone would give the layer a wrong count
+and so a wrong attention mask.
+
+Tensors in an artifact, per layer ``i`` (shape ``[1, kv_heads, tokens, head_dim]``):
+- full layers: ``layers.{i}.keys`` / ``layers.{i}.values`` for the artifact's own positions
+  ``[start, end)`` only; the parent chain supplies ``[0, start)``;
+- sliding layers: the layer's whole held window at ``end`` and ``layers.{i}.seen`` (= ``end``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
+
+from .errors import ArtifactError
+from .models import LoadedModel
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One artifact's contribution to a chain: its tensors and the positions it covers."""
+
+    tensors: dict[str, torch.Tensor]
+    start: int
+    end: int
+    token_ids: tuple[int, ...]
+
+
+class KVState:
+    """A model's attention state after ``len(token_ids)`` tokens.
+
+    Build one empty (``KVState(model)``) or from artifact segments (``KVState.restore``), then
+    ``extend`` it; nothing else mutates the cache.
+    """
+
+    def __init__(self, model: LoadedModel) -> None:
+        self.model = model
+        self.cache = DynamicCache(config=model.module.config)
+        self.token_ids: list[int] = []
+
+    @property
+    def end(self) -> int:
+        """The number of positions the state covers."""
+        return len(self.token_ids)
+
+    def extend(self, ids: list[int]) -> torch.Tensor:
+        """Run ``ids`` at positions ``[end, end + len(ids))`` in one forward pass.
+
+        Returns their logits, float32 ``[len(ids), vocab]``; the cache grows in place.
+        """
+        if not ids:
+            raise ArtifactError("cannot run an empty token sequence", hint="pass text that tokenizes to tokens")
+        if self.end + len(ids) > self.model.spec.window:
+            raise ArtifactError(
+                f"{self.end + len(ids)} positions exceed {self.model.spec.name}'s window of {self.model.spec.window}",
+                hint="use a shorter text",
+            )
+        input_ids = torch.tensor([ids], dtype=torch.long)  # [1, n]
+        out = self.model.module(input_ids=input_ids, cache=self.cache, use_cache=True)
+        self.token_ids.extend(ids)
+        return out.logits[0].to(torch.float32)  # [1, n, vocab] -> [n, vocab]
+
+    def export(self, since: int) -> dict[str, torch.Tensor]:
+        """The tensors an artifact covering ``[since, end)`` stores (see the module docstring)."""
+        tensors: dict[str, torch.Tensor] = {}
+        for i, layer in enumerate(self.cache.layers):
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                tensors[f"layers.{i}.keys"] = layer.keys.clone()
+                tensors[f"layers.{i}.values"] = layer.values.clone()
+                tensors[f"layers.{i}.seen"] = torch.tensor([layer.cumulative_length], dtype=torch.int64)
+            else:
+                tensors[f"layers.{i}.keys"] = layer.keys[:, :, since:, :].clone()  # [1, h, end - since, d]
+                tensors[f"layers.{i}.values"] = layer.values[:, :, since:, :].clone()
+        return tensors
+
+    @classmethod
+    def restore(cls, model: LoadedModel, chain: list[Segment]) -> KVState:
+        """Rebuild the state at ``chain[-1].end`` from a root-first chain of segments.
+
+        Every shape and count is checked against the model before the cache is touched.
+        """
+        state = cls(model)
+        _check_chain(model, chain)
+        last = chain[-1]
+        for i, layer in enumerate(state.cache.layers):
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                keys, values = last.tensors[f"layers.{i}.keys"], last.tensors[f"layers.{i}.values"]
+            else:
+                keys = torch.cat([s.tensors[f"layers.{i}.keys"] for s in chain], dim=-2)  # [1, h, end, d]
+                values = torch.cat([s.tensors[f"layers.{i}.values"] for s in chain], dim=-2)
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                layer.cumulative_length = int(last.tensors[f"layers.{i}.seen"][0])
+        state.token_ids = [t for s in chain for t in s.token_ids]
+        return state
+
+
+def _check_chain(model: LoadedModel, chain: list[Segment]) -> None:
+    if not chain:
+        raise ArtifactError("no artifact to restore")
+    config = model.module.config
+    n_layers = config.num_hidden_layers
+    kv_heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layer_kinds = DynamicCache(config=config).layers
+    cursor = 0
+    for seg in chain:
+        if seg.start != cursor:
+            raise ArtifactError(f"artifact covering [{seg.start}, {seg.end}) does not continue its parent, which ends at {cursor}")
+        if seg.end - seg.start != len(seg.token_ids):
+            raise ArtifactError(f"artifact covering [{seg.start}, {seg.end}) lists {len(seg.token_ids)} token ids")
+        expected = set()
+        for i, kind in enumerate(layer_kinds):
+            expected |= {f"layers.{i}.keys", f"layers.{i}.values"}
+            if isinstance(kind, DynamicSlidingWindowLayer):
+                expected.add(f"layers.{i}.seen")
+        if set(seg.tensors) != expected:
+            extra, missing = sorted(set(seg.tensors) - expected)[:3], sorted(expected - set(seg.tensors))[:3]
+            raise ArtifactError(f"kv file does not fit a {n_layers}-layer {model.spec.name}: missing {missing}, unexpected {extra}")
+        for i, kind in enumerate(layer_kinds):
+            if isinstance(kind, DynamicSlidingWindowLayer):
+                seen = seg.tensors[f"layers.{i}.seen"]
+                if seen.shape != (1,) or int(seen[0]) != seg.end:
+                    raise ArtifactError(f"layer {i} says it has seen {seen.tolist()} tokens; the artifact ends at {seg.end}")
+                held = min(seg.end, kind.sliding_window - 1)
+            else:
+                held = seg.end - seg.start
+            for part in ("keys", "values"):
+                t = seg.tensors[f"layers.{i}.{part}"]
+                if tuple(t.shape) != (1, kv_heads, held, head_dim) or t.dtype != torch.float32:
+                    raise ArtifactError(
+                        f"layers.{i}.{part} has shape {tuple(t.shape)} and dtype {t.dtype}; "
+                        f"{model.spec.name} needs (1, {kv_heads}, {held}, {head_dim}) float32"
+                    )
+        cursor = seg.end

@@ -1,0 +1,120 @@
+"""Determinism profiles: a named, frozen set of everything that can change a bit.
+
+``current_profile(name)`` describes this machine under profile ``name``; ``applied(profile)``
+pins threads and deterministic algorithms for the span of a ``with`` block and restores the
+previous settings on exit; ``require_same`` refuses a graft whose profile differs, naming every
+differing field.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+from kvgraft.schemas import DeterminismProfile, ExactnessLevel, ModelRef, Sha256Digest
+
+from .errors import ProfileMismatchError, UnknownModelError
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """The knobs a named profile fixes; the rest of the profile is read off the machine."""
+
+    exactness: ExactnessLevel
+    threads: int
+    attention_implementation: str
+    matmul_tiling: str
+    dtype: str = "float32"
+
+
+#: The named profiles. ``cpu-fp32`` is own-position exact: a graft equals recomputing the same
+#: prefix then the same continuation with the same schedule.
+PROFILES: dict[str, ProfileSettings] = {
+    "cpu-fp32": ProfileSettings(exactness="own-position", threads=2, attention_implementation="eager", matmul_tiling="default"),
+}
+DEFAULT_PROFILE = "cpu-fp32"
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def device_fingerprint() -> str:
+    """The CPU as kernels see it: architecture, model name and the ISA torch dispatches to."""
+    return f"{platform.machine()}; {_cpu_model()}; torch-cpu-capability={torch.backends.cpu.get_cpu_capability()}"
+
+
+def current_profile(name: str = DEFAULT_PROFILE) -> DeterminismProfile:
+    """The full profile ``name`` on this machine with these library versions."""
+    try:
+        s = PROFILES[name]
+    except KeyError as e:
+        raise UnknownModelError(f"no determinism profile named {name!r}; known: {', '.join(PROFILES)}", hint="use --profile cpu-fp32") from e
+    return DeterminismProfile(
+        name=name,
+        exactness=s.exactness,
+        device_kind="cpu",
+        device_fingerprint=device_fingerprint(),
+        dtype=s.dtype,
+        torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+        kernel_versions={"mkldnn": str(torch.backends.mkldnn.is_available()), "openmp": str(torch.backends.openmp.is_available())},
+        threads=s.threads,
+        attention_implementation=s.attention_implementation,
+        matmul_tiling=s.matmul_tiling,
+        prefill_chunk=None,
+        deterministic_algorithms=True,
+    )
+
+
+@contextlib.contextmanager
+def applied(profile: DeterminismProfile) -> Iterator[None]:
+    """Pin the profile's threads and deterministic algorithms; restore the previous state after."""
+    threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    grad = torch.is_grad_enabled()
+    torch.set_num_threads(profile.threads)
+    torch.use_deterministic_algorithms(profile.deterministic_algorithms)
+    torch.set_grad_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_grad_enabled(grad)
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.set_num_threads(threads)
+
+
+def require_same(
+    *,
+    artifact_model: ModelRef,
+    model: ModelRef,
+    artifact_tokenizer: Sha256Digest,
+    tokenizer: Sha256Digest,
+    artifact_profile: DeterminismProfile,
+    profile: DeterminismProfile,
+) -> None:
+    """Raise ``ProfileMismatchError`` naming every field where the artifact and this context differ."""
+    diffs: list[str] = []
+    for field in ModelRef.model_fields:
+        a, b = getattr(artifact_model, field), getattr(model, field)
+        if a != b:
+            diffs.append(f"model.{field}: artifact {a}, here {b}")
+    if artifact_tokenizer != tokenizer:
+        diffs.append(f"tokenizer_digest: artifact {artifact_tokenizer}, here {tokenizer}")
+    for field in DeterminismProfile.model_fields:
+        a, b = getattr(artifact_profile, field), getattr(profile, field)
+        if a != b:
+            diffs.append(f"profile.{field}: artifact {a!r}, here {b!r}")
+    if diffs:
+        raise ProfileMismatchError(f"the artifact was made in another context: {'; '.join(diffs)}")
