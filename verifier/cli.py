@@ -16,7 +16,7 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
-from kvgraft.schemas import InvalidDigestError, SchemaError, parse_sha256, sha256_bytes
+from kvgraft.schemas import InvalidDigestError, SchemaError, Sha256Digest, parse_sha256, sha256_bytes
 
 from ._internal.dsse import read_envelope, verify_envelope, verify_statement_envelope
 from ._internal.errors import MalformedInputError, VerificationError
@@ -68,12 +68,14 @@ def _cmd_envelope(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _artifact_arg(value: str) -> Path | Any:
-    if value.startswith("sha256:"):
+def _artifact_arg(value: str) -> Path | Sha256Digest:
+    # The conformance protocol: "sha256:<hex>" is a digest when it is well formed and no file
+    # of that name exists; anything else is a path.
+    if value.startswith("sha256:") and not Path(value).exists():
         try:
             return parse_sha256(value)
-        except InvalidDigestError as e:
-            raise MalformedInputError(str(e), hint="give a file path or sha256: and 64 lowercase hex digits") from e
+        except InvalidDigestError:
+            return Path(value)
     return Path(value)
 
 
@@ -82,6 +84,11 @@ def _cmd_verify_bundle(args: argparse.Namespace) -> dict[str, Any]:
     from ._internal.bundles import CertificateIdentity, ManagedKey, verify_bundle
 
     policy: CertificateIdentity | ManagedKey
+    if args.key is not None and (args.certificate_identity is not None or args.certificate_oidc_issuer is not None):
+        raise MalformedInputError(
+            "verify-bundle got both --key and a certificate identity; a bundle is verified one way",
+            hint="pass --key PEM for managed-key bundles, or --certificate-identity and --certificate-oidc-issuer",
+        )
     if args.key is not None:
         policy = ManagedKey(read_limited(args.key, 64 * 1024, "key file"))
     else:

@@ -95,6 +95,19 @@ class LogEntryError(VerificationError):
     """
 
     default_hint = (
-        "the bundle's log entry was altered or belongs to another signature; "
-        "fetch the bundle again from its source"
+        "the bundle's log entry was altered or belongs to another signature; fetch the bundle again from its source"
+    )
+
+
+class LogProofError(VerificationError):
+    """A kvgraft registry's transparency-log evidence does not verify.
+
+    Covers RFC 9162 inclusion and consistency proofs and the registry's C2SP signed checkpoints:
+    a wrong root, a proof of the wrong length, an index outside the tree, a missing or bad
+    checkpoint signature. (Sigstore bundle log entries use ``LogEntryError``.)
+    """
+
+    default_hint = (
+        "the proof, checkpoint or entry was altered, or they come from different logs or tree sizes; "
+        "fetch them again from the registry"
     )

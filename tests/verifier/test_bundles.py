@@ -1,0 +1,1163 @@
+"""Sigstore bundle verification, offline: the shared vectors, their mutations, and managed-key
+bundles built here with freshly generated keys and a one-off transparency log."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import rfc8785
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
+from cryptography.hazmat.primitives.asymmetric.utils import Prehashed
+from cryptography.x509.oid import NameOID
+
+from kvgraft.verifier._internal import bundles
+from kvgraft.verifier._internal.bundles import (
+    CertificateIdentity,
+    ManagedKey,
+    VerifiedBundle,
+    shipped_trusted_root,
+    verify_bundle,
+)
+from kvgraft.verifier._internal.errors import (
+    BadSignatureError,
+    DigestMismatchError,
+    IdentityMismatchError,
+    LogEntryError,
+    MalformedInputError,
+    UnsupportedPayloadTypeError,
+    UntrustedRootError,
+)
+
+
+def sigstore_vectors() -> Path:
+    """shared/vectors/sigstore, beside the repository (../shared from the repo root)."""
+    return Path(__file__).resolve().parents[3] / "shared" / "vectors" / "sigstore"
+
+
+@pytest.fixture(scope="module")
+def vectors() -> Path:
+    path = sigstore_vectors()
+    if not path.is_dir():
+        pytest.skip(f"the shared Sigstore vectors are not at {path}")
+    return path
+
+
+GITHUB_OAUTH = "https://github.com/login/oauth"
+GOOGLE = "https://accounts.google.com"
+ACTIONS = "https://token.actions.githubusercontent.com"
+BEACON = (
+    "https://github.com/sigstore-conformance/extremely-dangerous-public-oidc-beacon/"
+    ".github/workflows/extremely-dangerous-oidc-beacon.yml@refs/heads/main"
+)
+# sha256 of sigstore-conformance's a.txt, the subject of the DSSE vector's statement.
+A_TXT = "sha256:a0cfc71271d6e278e57cd332ff957c3f7043fdda354c4cbb190a30d56efa01bf"
+
+
+@dataclass(frozen=True)
+class Vector:
+    artifact: str  # a file under the vectors, or a sha256: digest
+    bundle: str
+    staging: bool
+    identity: str
+    issuer: str
+
+    @property
+    def id(self) -> str:
+        return self.bundle
+
+
+# Every "accept" row of shared/vectors/sigstore/EXPECTATIONS.md.
+ACCEPT = [
+    Vector("bundle.txt", "bundle.txt.sigstore", True, "a@tny.town", GITHUB_OAUTH),
+    Vector("bundle_v3.txt", "bundle_v3.txt.sigstore", True, "william@yossarian.net", GITHUB_OAUTH),
+    Vector("bundle_v3_alt.txt", "bundle_v3_alt.txt.sigstore", True, "william@yossarian.net", GITHUB_OAUTH),
+    Vector(
+        "bundle_v3_github.whl",
+        "bundle_v3_github.whl.sigstore",
+        False,
+        "https://github.com/trailofbits/rfc8785.py/.github/workflows/release.yml@refs/tags/v0.1.2",
+        ACTIONS,
+    ),
+    Vector("staging-rekor-v2.txt", "staging-rekor-v2.txt.sigstore.json", True, "jku@goto.fi", GITHUB_OAUTH),
+    Vector("tsa/bundle.txt", "tsa/bundle.txt.sigstore", True, "alexis.challande@trailofbits.com", GOOGLE),
+    Vector(A_TXT, "a.dsse.staging-rekor-v2.txt.sigstore.json", True, BEACON, ACTIONS),
+]
+
+
+def artifact_of(vectors: Path, vector: Vector) -> Path | str:
+    return vector.artifact if vector.artifact.startswith("sha256:") else vectors / vector.artifact
+
+
+def root_of(vectors: Path, staging: bool) -> Path:
+    return vectors / ("trusted_root.sigstage.dev.json" if staging else "trusted_root.sigstore.dev.json")
+
+
+def load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def write(path: Path, document: dict[str, Any]) -> Path:
+    path.write_text(json.dumps(document))
+    return path
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def flip_bit(data: bytes, index: int | None = None) -> bytes:
+    i = len(data) // 2 if index is None else index
+    return data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1 :]
+
+
+def flip_b64(value: str) -> str:
+    return b64(flip_bit(base64.b64decode(value)))
+
+
+# --------------------------------------------------------------------------------------------
+# The shared vectors: every EXPECTATIONS.md row, and every mutation of every accepting row
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vector", ACCEPT, ids=lambda v: v.id)
+def test_vector_accepts(vectors: Path, vector: Vector) -> None:
+    result = verify_bundle(
+        vectors / vector.bundle,
+        artifact_of(vectors, vector),
+        CertificateIdentity(vector.identity, vector.issuer),
+        staging=vector.staging,
+    )
+    assert result.signer == vector.identity
+    if vector.bundle.startswith("a.dsse"):
+        payload = base64.b64decode(load(vectors / vector.bundle)["dsseEnvelope"]["payload"])
+        assert result == VerifiedBundle("dsse", "application/vnd.in-toto+json", payload, vector.identity)
+    else:
+        assert result == VerifiedBundle("message_signature", None, None, vector.identity)
+
+
+@pytest.mark.parametrize("vector", ACCEPT, ids=lambda v: v.id)
+def test_vector_accepts_with_explicit_trusted_root(vectors: Path, vector: Vector) -> None:
+    verify_bundle(
+        vectors / vector.bundle,
+        artifact_of(vectors, vector),
+        CertificateIdentity(vector.identity, vector.issuer),
+        trusted_root=root_of(vectors, vector.staging),
+    )
+
+
+@pytest.mark.parametrize("vector", ACCEPT, ids=lambda v: v.id)
+def test_vector_rejects_changed_artifact(vectors: Path, vector: Vector, tmp_path: Path) -> None:
+    if vector.artifact.startswith("sha256:"):
+        changed: Path | str = vector.artifact[:-1] + ("0" if vector.artifact[-1] != "0" else "1")
+    else:
+        data = (vectors / vector.artifact).read_bytes()
+        changed = tmp_path / "artifact"
+        changed.write_bytes(data[:-1] + bytes([data[-1] ^ 0x20]))
+    with pytest.raises(DigestMismatchError, match=r"artifact('s sha256| sha256:)"):
+        verify_bundle(
+            vectors / vector.bundle,
+            changed,  # type: ignore[arg-type]
+            CertificateIdentity(vector.identity, vector.issuer),
+            staging=vector.staging,
+        )
+
+
+@pytest.mark.parametrize("vector", ACCEPT, ids=lambda v: v.id)
+def test_vector_rejects_flipped_signature_bit(vectors: Path, vector: Vector, tmp_path: Path) -> None:
+    document = load(vectors / vector.bundle)
+    if "dsseEnvelope" in document:
+        signature = document["dsseEnvelope"]["signatures"][0]
+        signature["sig"] = flip_b64(signature["sig"])
+    else:
+        document["messageSignature"]["signature"] = flip_b64(document["messageSignature"]["signature"])
+    with pytest.raises(BadSignatureError, match="signature does not verify"):
+        verify_bundle(
+            write(tmp_path / "bundle.json", document),
+            artifact_of(vectors, vector),  # type: ignore[arg-type]
+            CertificateIdentity(vector.identity, vector.issuer),
+            staging=vector.staging,
+        )
+
+
+@pytest.mark.parametrize("vector", ACCEPT, ids=lambda v: v.id)
+def test_vector_rejects_other_identity(vectors: Path, vector: Vector) -> None:
+    with pytest.raises(IdentityMismatchError, match="signing certificate is for .* not someone@example.com"):
+        verify_bundle(
+            vectors / vector.bundle,
+            artifact_of(vectors, vector),  # type: ignore[arg-type]
+            CertificateIdentity("someone@example.com", vector.issuer),
+            staging=vector.staging,
+        )
+
+
+@pytest.mark.parametrize("vector", ACCEPT, ids=lambda v: v.id)
+def test_vector_rejects_other_issuer(vectors: Path, vector: Vector) -> None:
+    with pytest.raises(IdentityMismatchError, match="issuer https://issuer.example.com"):
+        verify_bundle(
+            vectors / vector.bundle,
+            artifact_of(vectors, vector),  # type: ignore[arg-type]
+            CertificateIdentity(vector.identity, "https://issuer.example.com"),
+            staging=vector.staging,
+        )
+
+
+@pytest.mark.parametrize("vector", ACCEPT, ids=lambda v: v.id)
+def test_vector_rejects_other_trusted_root(vectors: Path, vector: Vector) -> None:
+    other = root_of(vectors, not vector.staging)
+    with pytest.raises(UntrustedRootError, match="which the trusted root does not list"):
+        verify_bundle(
+            vectors / vector.bundle,
+            artifact_of(vectors, vector),  # type: ignore[arg-type]
+            CertificateIdentity(vector.identity, vector.issuer),
+            trusted_root=other,
+        )
+    with pytest.raises(UntrustedRootError, match="which the trusted root does not list"):
+        verify_bundle(
+            vectors / vector.bundle,
+            artifact_of(vectors, vector),  # type: ignore[arg-type]
+            CertificateIdentity(vector.identity, vector.issuer),
+            staging=not vector.staging,
+        )
+
+
+@pytest.mark.parametrize("vector", ACCEPT, ids=lambda v: v.id)
+def test_vector_rejects_altered_inclusion_root(vectors: Path, vector: Vector, tmp_path: Path) -> None:
+    document = load(vectors / vector.bundle)
+    proof = document["verificationMaterial"]["tlogEntries"][0]["inclusionProof"]
+    proof["rootHash"] = flip_b64(proof["rootHash"])
+    with pytest.raises(LogEntryError, match="inclusion proof does not hash up to its root hash"):
+        verify_bundle(
+            write(tmp_path / "bundle.json", document),
+            artifact_of(vectors, vector),  # type: ignore[arg-type]
+            CertificateIdentity(vector.identity, vector.issuer),
+            staging=vector.staging,
+        )
+
+
+def test_vector_rejects_altered_proof_hash_and_checkpoint(vectors: Path, tmp_path: Path) -> None:
+    vector = ACCEPT[3]
+    document = load(vectors / vector.bundle)
+    proof = document["verificationMaterial"]["tlogEntries"][0]["inclusionProof"]
+    proof["hashes"][3] = flip_b64(proof["hashes"][3])
+    identity = CertificateIdentity(vector.identity, vector.issuer)
+    with pytest.raises(LogEntryError, match="does not hash up"):
+        verify_bundle(write(tmp_path / "a.json", document), vectors / vector.artifact, identity)
+
+    document = load(vectors / vector.bundle)
+    proof = document["verificationMaterial"]["tlogEntries"][0]["inclusionProof"]
+    proof["checkpoint"]["envelope"] = proof["checkpoint"]["envelope"].replace("\n75441653\n", "\n75441654\n")
+    with pytest.raises(LogEntryError, match="checkpoint signs a different tree"):
+        verify_bundle(write(tmp_path / "b.json", document), vectors / vector.artifact, identity)
+
+
+def test_vector_rejects_forged_signed_entry_timestamp(vectors: Path, tmp_path: Path) -> None:
+    vector = ACCEPT[3]
+    document = load(vectors / vector.bundle)
+    entry = document["verificationMaterial"]["tlogEntries"][0]
+    entry["integratedTime"] = str(int(entry["integratedTime"]) + 1)
+    with pytest.raises(LogEntryError, match="signed entry timestamp does not verify"):
+        verify_bundle(
+            write(tmp_path / "b.json", document),
+            vectors / vector.artifact,
+            CertificateIdentity(vector.identity, vector.issuer),
+        )
+
+
+def test_vector_cve_2022_36056_is_rejected(vectors: Path) -> None:
+    with pytest.raises(LogEntryError, match="log entry records a different signature than the bundle"):
+        verify_bundle(
+            vectors / "bundle_cve_2022_36056.txt.sigstore",
+            vectors / "bundle_cve_2022_36056.txt",
+            CertificateIdentity("william@yossarian.net", GITHUB_OAUTH),
+            staging=True,
+        )
+
+
+@pytest.mark.parametrize(
+    ("artifact", "bundle", "message"),
+    [
+        ("bundle_v3_no_signed_time.txt", "bundle_v3_no_signed_time.txt.sigstore.json", "inclusion promise or signed"),
+        ("bundle_invalid_version.txt", "bundle_invalid_version.txt.sigstore", "unsupported bundle media type"),
+        ("bundle_no_cert_v1.txt", "bundle_no_cert_v1.txt.sigstore", "x509CertificateChain is empty"),
+        ("bundle_no_log_entry.txt", "bundle_no_log_entry.txt.sigstore", "exactly one log entry"),
+        ("bundle_no_checkpoint.txt", "bundle_no_checkpoint.txt.sigstore", "inclusion proof, with checkpoint"),
+    ],
+)
+def test_vector_rejected_at_load(vectors: Path, artifact: str, bundle: str, message: str) -> None:
+    with pytest.raises(MalformedInputError, match=message):
+        verify_bundle(
+            vectors / bundle,
+            vectors / artifact,
+            CertificateIdentity("william@yossarian.net", GITHUB_OAUTH),
+            staging=True,
+        )
+
+
+def test_vector_digest_form_verifies_a_message_signature(vectors: Path) -> None:
+    digest = "sha256:" + hashlib.sha256((vectors / "bundle_v3.txt").read_bytes()).hexdigest()
+    result = verify_bundle(
+        vectors / "bundle_v3.txt.sigstore",
+        digest,  # type: ignore[arg-type]
+        CertificateIdentity("william@yossarian.net", GITHUB_OAUTH),
+        staging=True,
+    )
+    assert result.kind == "message_signature"
+
+
+def test_v01_bundle_without_checkpoint_is_refused(vectors: Path) -> None:
+    """A v0.1 bundle with only an inclusion promise (CPython 3.12.5's release bundle).
+
+    The client spec lets v0.1 bundles omit the checkpoint, but sigstore-python 4.5.1 refuses to
+    load a log entry without one, and it stays the authority for certificate bundles.
+    """
+    bundle = vectors / "integration" / "Python-3.12.5.tgz.sigstore"
+    digest = base64.b64decode(load(bundle)["messageSignature"]["messageDigest"]["digest"]).hex()
+    with pytest.raises(MalformedInputError, match="inclusion proof, with checkpoint"):
+        verify_bundle(bundle, f"sha256:{digest}", CertificateIdentity("thomas@python.org", GOOGLE))  # type: ignore[arg-type]
+
+
+def test_vector_dsse_subject_mismatch(vectors: Path) -> None:
+    vector = ACCEPT[-1]
+    with pytest.raises(DigestMismatchError, match="not among the statement's subjects \\(a.txt\\)"):
+        verify_bundle(
+            vectors / vector.bundle,
+            vectors / "bundle.txt",
+            CertificateIdentity(vector.identity, vector.issuer),
+            staging=True,
+        )
+
+
+def test_trusted_root_wins_over_staging(vectors: Path) -> None:
+    vector = ACCEPT[3]  # a production bundle
+    verify_bundle(
+        vectors / vector.bundle,
+        vectors / vector.artifact,
+        CertificateIdentity(vector.identity, vector.issuer),
+        trusted_root=root_of(vectors, False),
+        staging=True,
+    )
+
+
+def test_shipped_roots_are_the_vectors_roots(vectors: Path) -> None:
+    assert shipped_trusted_root().read_bytes() == root_of(vectors, False).read_bytes()
+    assert shipped_trusted_root(staging=True).read_bytes() == root_of(vectors, True).read_bytes()
+
+
+def test_root_certificate_in_bundle_chain_is_rejected(vectors: Path, tmp_path: Path) -> None:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "sneaky root")])
+    now = datetime.now(UTC)
+    root = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(1)
+        .not_valid_before(now - timedelta(days=1))
+        .not_valid_after(now + timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    document = load(vectors / "bundle.txt.sigstore")
+    chain = document["verificationMaterial"]["x509CertificateChain"]["certificates"]
+    chain.append({"rawBytes": b64(root.public_bytes(serialization.Encoding.DER))})
+    with pytest.raises(UntrustedRootError, match="carries its own root certificate"):
+        verify_bundle(
+            write(tmp_path / "b.json", document),
+            vectors / "bundle.txt",
+            CertificateIdentity("a@tny.town", GITHUB_OAUTH),
+            staging=True,
+        )
+
+
+def test_key_policy_on_certificate_bundle(vectors: Path) -> None:
+    pem = (
+        ec.generate_private_key(ec.SECP256R1())
+        .public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    with pytest.raises(IdentityMismatchError, match="signed by a Fulcio certificate for william@yossarian.net"):
+        verify_bundle(vectors / "bundle_v3.txt.sigstore", vectors / "bundle_v3.txt", ManagedKey(pem), staging=True)
+
+
+def test_tsa_validity_end_is_inclusive(vectors: Path, tmp_path: Path) -> None:
+    """sigstore-python 4.5.1 drops a timestamp made at exactly its TSA's validFor.end; we keep it."""
+    from rfc3161_client import decode_timestamp_response
+    from sigstore.models import Bundle, TrustedRoot
+
+    bundle = Bundle.from_json((vectors / "tsa" / "bundle.txt.sigstore").read_bytes())
+    response = decode_timestamp_response(
+        base64.b64decode(
+            load(vectors / "tsa" / "bundle.txt.sigstore")["verificationMaterial"]["timestampVerificationData"][
+                "rfc3161Timestamps"
+            ][0]["signedTimestamp"]
+        )
+    )
+    gen_time = response.tst_info.gen_time
+    root = load(root_of(vectors, True))
+    authority = load(vectors / "tsa" / "ca.json")
+
+    def verified_with_end(end: datetime) -> bool:
+        authority["validFor"]["end"] = end.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        root["timestampAuthorities"] = [authority]
+        trusted = TrustedRoot.from_file(str(write(tmp_path / "root.json", root)))
+        verifier = bundles._SigstoreVerifier(trusted_root=trusted)
+        return verifier._verify_signed_timestamp(response, bundle.signature) is not None
+
+    assert verified_with_end(gen_time)
+    assert not verified_with_end(gen_time - timedelta(microseconds=1))
+
+
+# --------------------------------------------------------------------------------------------
+# Malformed inputs
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def good_bundle(vectors: Path) -> dict[str, Any]:
+    return load(vectors / "bundle_v3.txt.sigstore")
+
+
+def _verify_v3(vectors: Path, bundle: Path, artifact: Path | str | None = None) -> VerifiedBundle:
+    return verify_bundle(
+        bundle,
+        artifact if artifact is not None else vectors / "bundle_v3.txt",  # type: ignore[arg-type]
+        CertificateIdentity("william@yossarian.net", GITHUB_OAUTH),
+        staging=True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"this is not json", "is not valid JSON"),
+        (b"[1, 2, 3]", "must be a JSON object, got list"),
+        (b"\xff\xfe\x00", "not UTF-8|not valid JSON"),
+        (b"", "is not valid JSON"),
+    ],
+)
+def test_malformed_bundle_bytes(vectors: Path, tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "bundle.json"
+    path.write_bytes(content)
+    with pytest.raises(MalformedInputError, match=message):
+        _verify_v3(vectors, path)
+
+
+def test_truncated_bundle(vectors: Path, tmp_path: Path) -> None:
+    raw = (vectors / "bundle_v3.txt.sigstore").read_bytes()
+    path = tmp_path / "bundle.json"
+    path.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(MalformedInputError, match="is not valid JSON"):
+        _verify_v3(vectors, path)
+
+
+MutateFn = Callable[[dict[str, Any]], None]
+
+
+def _set(path: list[str | int], value: object) -> MutateFn:
+    def mutate(document: dict[str, Any]) -> None:
+        target: Any = document
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+
+    return mutate
+
+
+def _delete(path: list[str | int]) -> MutateFn:
+    def mutate(document: dict[str, Any]) -> None:
+        target: Any = document
+        for key in path[:-1]:
+            target = target[key]
+        del target[path[-1]]
+
+    return mutate
+
+
+ENTRY: list[str | int] = ["verificationMaterial", "tlogEntries", 0]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (_set(["mediaType"], 3), "mediaType must be a string"),
+        (_delete(["verificationMaterial"]), "verificationMaterial is missing"),
+        (_set(["verificationMaterial"], []), "verificationMaterial must be an object"),
+        (_set(["messageSignature", "signature"], "not*base64!"), "signature is not valid base64"),
+        (_set(["messageSignature", "signature"], 12), "signature must be a string"),
+        (_set(["messageSignature", "signature"], "QUJDR"), "signature is not valid base64"),
+        (_set([*ENTRY, "logIndex"], "-5"), "logIndex is out of range"),
+        (_set([*ENTRY, "logIndex"], "twelve"), "logIndex must be an integer"),
+        (_set([*ENTRY, "logIndex"], True), "logIndex must be an integer"),
+        (_set([*ENTRY, "canonicalizedBody"], "%%%"), "canonicalizedBody is not valid base64"),
+        (_set([*ENTRY, "inclusionProof", "hashes"], "abc"), "hashes must be a list"),
+        (_set(["verificationMaterial", "tlogEntries"], {}), "tlogEntries must be a list"),
+        (_set(["verificationMaterial", "certificate", "rawBytes"], b64(b"not a certificate")), "not a DER X.509"),
+        (_set(["dsseEnvelope"], {"payload": "", "payloadType": "x", "signatures": []}), "exactly one of"),
+        (_delete(["messageSignature"]), "exactly one of messageSignature or dsseEnvelope"),
+        (_set(["verificationMaterial", "publicKey"], {"hint": "abc"}), "exactly one of certificate"),
+    ],
+)
+def test_malformed_bundle_fields(
+    vectors: Path, tmp_path: Path, good_bundle: dict[str, Any], mutate: MutateFn, message: str
+) -> None:
+    mutate(good_bundle)
+    with pytest.raises(MalformedInputError, match=message):
+        _verify_v3(vectors, write(tmp_path / "bundle.json", good_bundle))
+
+
+def test_directory_and_missing_inputs(vectors: Path, tmp_path: Path) -> None:
+    with pytest.raises(MalformedInputError, match="is a directory, not a file"):
+        _verify_v3(vectors, tmp_path)
+    with pytest.raises(MalformedInputError, match="cannot read the bundle"):
+        _verify_v3(vectors, tmp_path / "missing.json")
+    with pytest.raises(MalformedInputError, match="artifact .* is a directory"):
+        _verify_v3(vectors, vectors / "bundle_v3.txt.sigstore", tmp_path)
+    with pytest.raises(MalformedInputError, match="cannot read the artifact"):
+        _verify_v3(vectors, vectors / "bundle_v3.txt.sigstore", tmp_path / "missing.txt")
+    with pytest.raises(MalformedInputError, match="is not a sha256 digest"):
+        _verify_v3(vectors, vectors / "bundle_v3.txt.sigstore", "sha256:abc")
+
+
+def test_malformed_trusted_root(vectors: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "root.json"
+    bad.write_text("{")
+    with pytest.raises(MalformedInputError, match="trusted root .* is not valid JSON"):
+        verify_bundle(
+            vectors / "bundle_v3.txt.sigstore",
+            vectors / "bundle_v3.txt",
+            CertificateIdentity("william@yossarian.net", GITHUB_OAUTH),
+            trusted_root=bad,
+        )
+    root = load(root_of(vectors, True))
+    del root["tlogs"][0]["publicKey"]["validFor"]["start"]
+    with pytest.raises(UntrustedRootError, match="validFor without a start"):
+        verify_bundle(
+            vectors / "bundle_v3.txt.sigstore",
+            vectors / "bundle_v3.txt",
+            CertificateIdentity("william@yossarian.net", GITHUB_OAUTH),
+            trusted_root=write(bad, root),
+        )
+    with pytest.raises(UntrustedRootError, match="not a Sigstore trusted root"):
+        verify_bundle(
+            vectors / "bundle_v3.txt.sigstore",
+            vectors / "bundle_v3.txt",
+            CertificateIdentity("william@yossarian.net", GITHUB_OAUTH),
+            trusted_root=write(bad, {"mediaType": "something else"}),
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Managed-key bundles, built here: fresh keys, and a small transparency log we sign ourselves
+# --------------------------------------------------------------------------------------------
+
+PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey | rsa.RSAPrivateKey
+
+
+def pem_of(key: PrivateKey) -> bytes:
+    return key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def der_of(key: PrivateKey) -> bytes:
+    return key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def sign(key: PrivateKey, data: bytes, *, prehashed: bool = False, hash_: hashes.HashAlgorithm | None = None) -> bytes:
+    if isinstance(key, ed25519.Ed25519PrivateKey):
+        return key.sign(data)
+    algorithm: Any = hash_ or hashes.SHA256()
+    if prehashed:
+        algorithm = Prehashed(algorithm)
+    if isinstance(key, rsa.RSAPrivateKey):
+        return key.sign(data, padding.PKCS1v15(), algorithm)
+    return key.sign(data, ec.ECDSA(algorithm))
+
+
+def pae(payload_type: str, payload: bytes) -> bytes:
+    return b"DSSEv1 %d %s %d %s" % (len(payload_type), payload_type.encode(), len(payload), payload)
+
+
+def statement(digest_hex: str, statement_type: str | None = "https://in-toto.io/Statement/v1") -> bytes:
+    body: dict[str, Any] = {
+        "subject": [{"name": "artifact.bin", "digest": {"sha256": digest_hex}}],
+        "predicateType": "https://example.com/test",
+        "predicate": {},
+    }
+    if statement_type is not None:
+        body["_type"] = statement_type
+    return rfc8785.dumps(body)
+
+
+def leaf_hash(data: bytes) -> bytes:
+    return hashlib.sha256(b"\x00" + data).digest()
+
+
+def node_hash(left: bytes, right: bytes) -> bytes:
+    return hashlib.sha256(b"\x01" + left + right).digest()
+
+
+def mth(leaves: list[bytes]) -> bytes:
+    """RFC 6962 Merkle tree hash over leaf hashes."""
+    if len(leaves) == 1:
+        return leaves[0]
+    k = 1 << ((len(leaves) - 1).bit_length() - 1)
+    return node_hash(mth(leaves[:k]), mth(leaves[k:]))
+
+
+def audit_path(m: int, leaves: list[bytes]) -> list[bytes]:
+    """RFC 6962 PATH(m, D[n]), bottom first."""
+    if len(leaves) == 1:
+        return []
+    k = 1 << ((len(leaves) - 1).bit_length() - 1)
+    if m < k:
+        return audit_path(m, leaves[:k]) + [mth(leaves[k:])]
+    return audit_path(m - k, leaves[k:]) + [mth(leaves[:k])]
+
+
+@dataclass
+class OwnLog:
+    """A transparency log of our own: one key, a few filler leaves, our entry among them."""
+
+    key: PrivateKey
+    name: str = "rekor.test"
+    tree_id: str = "42"
+    size: int = 7
+    index: int = 5
+    valid_for: dict[str, str] = field(default_factory=lambda: {"start": "2020-01-01T00:00:00Z"})
+
+    @property
+    def ed25519(self) -> bool:
+        return isinstance(self.key, ed25519.Ed25519PrivateKey)
+
+    @property
+    def origin(self) -> str:
+        return self.name if self.ed25519 else f"{self.name} - {self.tree_id}"
+
+    @property
+    def log_id(self) -> bytes:
+        if self.ed25519:
+            raw = self.key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+            return hashlib.sha256(self.name.encode() + b"\n\x01" + raw).digest()
+        return hashlib.sha256(der_of(self.key)).digest()
+
+    def trusted_root(self) -> dict[str, Any]:
+        details = "PKIX_ED25519" if self.ed25519 else "PKIX_ECDSA_P256_SHA_256"
+        return {
+            "mediaType": "application/vnd.dev.sigstore.trustedroot+json;version=0.1",
+            "tlogs": [
+                {
+                    "baseUrl": f"https://{self.name}",
+                    "hashAlgorithm": "SHA2_256",
+                    "publicKey": {"rawBytes": b64(der_of(self.key)), "keyDetails": details, "validFor": self.valid_for},
+                    "logId": {"keyId": b64(self.log_id)},
+                }
+            ],
+            "certificateAuthorities": [],
+            "ctlogs": [],
+            "timestampAuthorities": [],
+        }
+
+    def checkpoint(self, root: bytes, *, signer_name: str | None = None, extra_lines: str = "") -> str:
+        text = f"{self.origin}\n{self.size}\n{b64(root)}\n"
+        name = signer_name or (self.origin if self.ed25519 else self.name)
+        if self.ed25519:
+            raw = self.key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+            hint = hashlib.sha256(name.encode() + b"\n\x01" + raw).digest()[:4]
+        else:
+            hint = self.log_id[:4]
+        signature = sign(self.key, text.encode())
+        return f"{text}\n{extra_lines}\u2014 {name} {b64(hint + signature)}\n"
+
+    def entry(self, kind: str, version: str, body: bytes, *, promise: bool, integrated_time: int) -> dict[str, Any]:
+        leaves = [leaf_hash(b"filler %d" % i) for i in range(self.size)]
+        leaves[self.index] = leaf_hash(body)
+        root = mth(leaves)
+        entry: dict[str, Any] = {
+            "logIndex": str(1000 + self.index),
+            "logId": {"keyId": b64(self.log_id)},
+            "kindVersion": {"kind": kind, "version": version},
+            "inclusionProof": {
+                "logIndex": str(self.index),
+                "rootHash": b64(root),
+                "treeSize": str(self.size),
+                "hashes": [b64(h) for h in audit_path(self.index, leaves)],
+                "checkpoint": {"envelope": self.checkpoint(root)},
+            },
+            "canonicalizedBody": b64(body),
+        }
+        if promise:
+            entry["integratedTime"] = str(integrated_time)
+            payload = rfc8785.dumps(
+                {
+                    "body": b64(body),
+                    "integratedTime": integrated_time,
+                    "logID": self.log_id.hex(),
+                    "logIndex": 1000 + self.index,
+                }
+            )
+            entry["inclusionPromise"] = {"signedEntryTimestamp": b64(sign(self.key, payload))}
+        return entry
+
+
+INTEGRATED = 1_700_000_000
+
+
+def entry_body(kind: str, version: str, signer: PrivateKey, signature: bytes, digest: bytes, payload: bytes) -> bytes:
+    """The canonicalized body Rekor would log for ``kind``/``version``."""
+    pem64 = b64(pem_of(signer))
+    verifier = {"publicKey": {"rawBytes": b64(der_of(signer))}, "keyDetails": "PKIX_ECDSA_P256_SHA_256"}
+    payload_hash = hashlib.sha256(payload).digest()
+    spec: dict[str, Any]
+    if (kind, version) == ("hashedrekord", "0.0.1"):
+        spec = {
+            "data": {"hash": {"algorithm": "sha256", "value": digest.hex()}},
+            "signature": {"content": b64(signature), "publicKey": {"content": pem64}},
+        }
+    elif (kind, version) == ("hashedrekord", "0.0.2"):
+        spec = {
+            "hashedRekordV002": {
+                "data": {"algorithm": "SHA2_256", "digest": b64(digest)},
+                "signature": {"content": b64(signature), "verifier": verifier},
+            }
+        }
+    elif (kind, version) == ("dsse", "0.0.1"):
+        spec = {
+            "envelopeHash": {"algorithm": "sha256", "value": "00" * 32},
+            "payloadHash": {"algorithm": "sha256", "value": payload_hash.hex()},
+            "signatures": [{"signature": b64(signature), "verifier": pem64}],
+        }
+    elif (kind, version) == ("dsse", "0.0.2"):
+        spec = {
+            "dsseV002": {
+                "payloadHash": {"algorithm": "SHA2_256", "digest": b64(payload_hash)},
+                "signatures": [{"content": b64(signature), "verifier": verifier}],
+            }
+        }
+    elif (kind, version) == ("intoto", "0.0.2"):
+        # Rekor's intoto/0.0.2 double-encodes the signature and stores the PEM key in base64.
+        spec = {
+            "content": {
+                "envelope": {
+                    "payloadType": "application/vnd.in-toto+json",
+                    "signatures": [{"publicKey": pem64, "sig": b64(b64(signature).encode())}],
+                },
+                "hash": {"algorithm": "sha256", "value": "00" * 32},
+                "payloadHash": {"algorithm": "sha256", "value": payload_hash.hex()},
+            }
+        }
+    else:
+        raise AssertionError(f"no body for {kind}/{version}")
+    return rfc8785.dumps({"apiVersion": version, "kind": kind, "spec": spec})
+
+
+@dataclass
+class KeyCase:
+    """One managed-key bundle written to disk, with everything needed to verify it."""
+
+    bundle: Path
+    artifact: Path
+    key: PrivateKey
+    root: Path | None
+    document: dict[str, Any]
+
+    def verify(self, **overrides: Any) -> VerifiedBundle:
+        args: dict[str, Any] = {
+            "bundle": self.bundle,
+            "artifact": self.artifact,
+            "policy": ManagedKey(pem_of(self.key)),
+            "trusted_root": self.root,
+        }
+        args.update(overrides)
+        return verify_bundle(args["bundle"], args["artifact"], args["policy"], trusted_root=args["trusted_root"])
+
+    def rewrite(self, mutate: MutateFn) -> Path:
+        document = copy.deepcopy(self.document)
+        mutate(document)
+        return write(self.bundle.with_name("mutated.json"), document)
+
+
+def make_key_bundle(
+    tmp_path: Path,
+    *,
+    dsse: bool = False,
+    key: PrivateKey | None = None,
+    entry: tuple[str, str] | None = None,
+    log: OwnLog | None = None,
+    promise: bool | None = None,
+    statement_type: str | None = "https://in-toto.io/Statement/v1",
+    payload_type: str = "application/vnd.in-toto+json",
+    hash_: hashes.HashAlgorithm | None = None,
+    message_digest: bool = True,
+) -> KeyCase:
+    key = key or ec.generate_private_key(ec.SECP256R1())
+    artifact = tmp_path / "artifact.bin"
+    artifact.write_bytes(b"a KV cache, or anything else worth signing\n")
+    data = artifact.read_bytes()
+    document: dict[str, Any] = {
+        "mediaType": "application/vnd.dev.sigstore.bundle.v0.3+json",
+        "verificationMaterial": {"publicKey": {"hint": "test-key"}},
+    }
+    payload = b""
+    if dsse:
+        payload = statement(hashlib.sha256(data).hexdigest(), statement_type)
+        signature = sign(key, pae(payload_type, payload), hash_=hash_)
+        digest = hashlib.sha256(pae(payload_type, payload)).digest()
+        document["dsseEnvelope"] = {
+            "payload": b64(payload),
+            "payloadType": payload_type,
+            "signatures": [{"sig": b64(signature), "keyid": ""}],
+        }
+    else:
+        algorithm = hash_ or hashes.SHA256()
+        digest = hashlib.new(algorithm.name, data).digest()
+        if isinstance(key, ed25519.Ed25519PrivateKey):
+            signature = sign(key, data)
+        else:
+            signature = sign(key, digest, prehashed=True, hash_=algorithm)
+        names = {"sha256": "SHA2_256", "sha384": "SHA2_384", "sha512": "SHA2_512"}
+        document["messageSignature"] = {"signature": b64(signature)}
+        if message_digest:
+            document["messageSignature"]["messageDigest"] = {"algorithm": names[algorithm.name], "digest": b64(digest)}
+    root_path = None
+    if entry is not None:
+        log = log or OwnLog(ec.generate_private_key(ec.SECP256R1()))
+        body = entry_body(*entry, key, signature, digest, payload)
+        with_promise = promise if promise is not None else entry[1] == "0.0.1"
+        document["verificationMaterial"]["tlogEntries"] = [
+            log.entry(*entry, body, promise=with_promise, integrated_time=INTEGRATED)
+        ]
+        root_path = write(tmp_path / "trusted_root.json", log.trusted_root())
+    bundle = write(tmp_path / "bundle.sigstore.json", document)
+    return KeyCase(bundle, artifact, key, root_path, document)
+
+
+def test_key_message_bundle_without_log_entry(tmp_path: Path) -> None:
+    case = make_key_bundle(tmp_path)
+    result = case.verify()
+    assert result == VerifiedBundle(
+        "message_signature", None, None, "sha256:" + hashlib.sha256(der_of(case.key)).hexdigest()
+    )
+    digest = "sha256:" + hashlib.sha256(case.artifact.read_bytes()).hexdigest()
+    case.verify(artifact=digest)
+    # No log entries: the trusted root has nothing to vouch for, even an empty one works.
+    empty = write(
+        tmp_path / "empty_root.json", {"mediaType": "application/vnd.dev.sigstore.trustedroot+json;version=0.1"}
+    )
+    case.verify(trusted_root=empty)
+
+
+def test_key_dsse_bundle_without_log_entry(tmp_path: Path) -> None:
+    case = make_key_bundle(tmp_path, dsse=True)
+    result = case.verify()
+    assert result.kind == "dsse"
+    assert result.payload_type == "application/vnd.in-toto+json"
+    assert result.payload == base64.b64decode(case.document["dsseEnvelope"]["payload"])
+
+
+@pytest.mark.parametrize(
+    ("key_factory", "hash_"),
+    [
+        (lambda: ec.generate_private_key(ec.SECP384R1()), hashes.SHA384()),
+        (lambda: ec.generate_private_key(ec.SECP384R1()), hashes.SHA256()),
+        (lambda: ec.generate_private_key(ec.SECP521R1()), hashes.SHA512()),
+        (lambda: rsa.generate_private_key(public_exponent=65537, key_size=2048), hashes.SHA256()),
+        (ed25519.Ed25519PrivateKey.generate, None),
+    ],
+    ids=["p384-sha384", "p384-sha256", "p521", "rsa", "ed25519"],
+)
+@pytest.mark.parametrize("dsse", [False, True], ids=["message", "dsse"])
+def test_key_algorithms(tmp_path: Path, key_factory: Callable[[], PrivateKey], hash_: Any, dsse: bool) -> None:
+    case = make_key_bundle(tmp_path, key=key_factory(), hash_=hash_, dsse=dsse)
+    case.verify()
+    with pytest.raises(BadSignatureError, match="does not verify"):
+        case.verify(policy=ManagedKey(pem_of(ec.generate_private_key(ec.SECP256R1()))))
+
+
+def test_key_message_without_digest_field(tmp_path: Path) -> None:
+    case = make_key_bundle(
+        tmp_path, key=ec.generate_private_key(ec.SECP384R1()), hash_=hashes.SHA384(), message_digest=False
+    )
+    case.verify()
+
+
+def test_ed25519_message_needs_the_artifact(tmp_path: Path) -> None:
+    case = make_key_bundle(tmp_path, key=ed25519.Ed25519PrivateKey.generate())
+    digest = "sha256:" + hashlib.sha256(case.artifact.read_bytes()).hexdigest()
+    with pytest.raises(MalformedInputError, match="Ed25519 signature needs the artifact itself"):
+        case.verify(artifact=digest)
+
+
+ENTRY_KINDS_MESSAGE = [("hashedrekord", "0.0.1"), ("hashedrekord", "0.0.2")]
+ENTRY_KINDS_DSSE = [
+    ("hashedrekord", "0.0.1"),
+    ("hashedrekord", "0.0.2"),
+    ("dsse", "0.0.1"),
+    ("dsse", "0.0.2"),
+    ("intoto", "0.0.2"),
+]
+ALL_ENTRY_CASES = [(False, k) for k in ENTRY_KINDS_MESSAGE] + [(True, k) for k in ENTRY_KINDS_DSSE]
+
+
+def _case_id(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "/".join(value)
+    return "dsse" if value else "message"
+
+
+@pytest.mark.parametrize(("dsse", "entry"), ALL_ENTRY_CASES, ids=_case_id)
+@pytest.mark.parametrize("log_key", ["ecdsa", "ed25519"])
+def test_key_bundle_with_log_entry_accepts(tmp_path: Path, dsse: bool, entry: tuple[str, str], log_key: str) -> None:
+    log_private: PrivateKey = (
+        ec.generate_private_key(ec.SECP256R1()) if log_key == "ecdsa" else ed25519.Ed25519PrivateKey.generate()
+    )
+    name = "rekor.test" if log_key == "ecdsa" else "log2099.rekor.test"
+    case = make_key_bundle(tmp_path, dsse=dsse, entry=entry, log=OwnLog(log_private, name=name))
+    assert case.verify().kind == ("dsse" if dsse else "message_signature")
+
+
+@pytest.mark.parametrize(("dsse", "entry"), ALL_ENTRY_CASES, ids=_case_id)
+def test_key_bundle_mutations_reject(tmp_path: Path, dsse: bool, entry: tuple[str, str]) -> None:
+    case = make_key_bundle(tmp_path, dsse=dsse, entry=entry)
+
+    changed = tmp_path / "changed.bin"
+    data = case.artifact.read_bytes()
+    changed.write_bytes(data[:-1] + b"?")
+    with pytest.raises(DigestMismatchError, match="artifact"):
+        case.verify(artifact=changed)
+
+    def flip_signature(document: dict[str, Any]) -> None:
+        if dsse:
+            sig = document["dsseEnvelope"]["signatures"][0]
+            sig["sig"] = flip_b64(sig["sig"])
+        else:
+            document["messageSignature"]["signature"] = flip_b64(document["messageSignature"]["signature"])
+
+    with pytest.raises(BadSignatureError, match="does not verify with the given key|over the artifact"):
+        case.verify(bundle=case.rewrite(flip_signature))
+
+    with pytest.raises(BadSignatureError, match="does not verify"):
+        case.verify(policy=ManagedKey(pem_of(ec.generate_private_key(ec.SECP256R1()))))
+
+    with pytest.raises(UntrustedRootError, match="which the trusted root does not list"):
+        case.verify(trusted_root=None)  # the shipped production root
+    with pytest.raises(UntrustedRootError, match="which the trusted root does not list"):
+        case.verify(trusted_root=shipped_trusted_root(staging=True))
+
+    def alter_root(document: dict[str, Any]) -> None:
+        proof = document["verificationMaterial"]["tlogEntries"][0]["inclusionProof"]
+        proof["rootHash"] = flip_b64(proof["rootHash"])
+
+    with pytest.raises(LogEntryError, match="inclusion proof does not hash up to its root hash"):
+        case.verify(bundle=case.rewrite(alter_root))
+
+    def drop_checkpoint(document: dict[str, Any]) -> None:
+        del document["verificationMaterial"]["tlogEntries"][0]["inclusionProof"]["checkpoint"]
+
+    with pytest.raises(LogEntryError, match="no inclusion proof with a signed checkpoint"):
+        case.verify(bundle=case.rewrite(drop_checkpoint))
+
+
+def _swap_entry_for(case: KeyCase, tmp_path: Path, other: KeyCase) -> Path:
+    """CVE-2022-36056: a genuine, provable log entry, but for another signature."""
+
+    def swap(document: dict[str, Any]) -> None:
+        document["verificationMaterial"]["tlogEntries"] = other.document["verificationMaterial"]["tlogEntries"]
+
+    return case.rewrite(swap)
+
+
+@pytest.mark.parametrize(("dsse", "entry"), ALL_ENTRY_CASES, ids=_case_id)
+def test_key_bundle_with_swapped_entry_rejects(tmp_path: Path, dsse: bool, entry: tuple[str, str]) -> None:
+    log = OwnLog(ec.generate_private_key(ec.SECP256R1()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    case = make_key_bundle(tmp_path / "a", dsse=dsse, entry=entry, log=log, key=key)
+    # The same signer signs again (ECDSA is randomized): a different signature, same key.
+    other = make_key_bundle(tmp_path / "b", dsse=dsse, entry=entry, log=log, key=key)
+    with pytest.raises(LogEntryError, match="log entry records a different"):
+        case.verify(bundle=_swap_entry_for(case, tmp_path, other))
+
+
+def test_key_bundle_entry_for_other_key_rejects(tmp_path: Path) -> None:
+    log = OwnLog(ec.generate_private_key(ec.SECP256R1()))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    case = make_key_bundle(tmp_path / "a", entry=("hashedrekord", "0.0.1"), log=log)
+    other = make_key_bundle(tmp_path / "b", entry=("hashedrekord", "0.0.1"), log=log)
+    with pytest.raises(LogEntryError, match="different signature"):
+        case.verify(bundle=_swap_entry_for(case, tmp_path, other))
+
+
+def test_message_bundle_must_be_logged_as_hashedrekord(tmp_path: Path) -> None:
+    case = make_key_bundle(tmp_path, entry=("hashedrekord", "0.0.1"))
+
+    def relabel(document: dict[str, Any]) -> None:
+        document["verificationMaterial"]["tlogEntries"][0]["kindVersion"] = {"kind": "dsse", "version": "0.0.1"}
+
+    with pytest.raises(LogEntryError, match="body is a hashedrekord/0.0.1, but the bundle says dsse/0.0.1"):
+        case.verify(bundle=case.rewrite(relabel))
+
+
+def test_checkpoint_rules(tmp_path: Path) -> None:
+    log = OwnLog(ed25519.Ed25519PrivateKey.generate(), name="log2099.rekor.test")
+    case = make_key_bundle(tmp_path, dsse=True, entry=("hashedrekord", "0.0.2"), log=log)
+    proof = case.document["verificationMaterial"]["tlogEntries"][0]["inclusionProof"]
+    root = base64.b64decode(proof["rootHash"])
+    witness = ed25519.Ed25519PrivateKey.generate()
+    text = proof["checkpoint"]["envelope"].split("\n\n")[0] + "\n"
+    witness_signature = b64(bytes([0, 1, 2, 3]) + witness.sign(text.encode()))
+    cosignature = f"\u2014 witness.example {witness_signature}\n"
+
+    def set_checkpoint(envelope: str) -> Path:
+        return case.rewrite(_set([*ENTRY, "inclusionProof", "checkpoint", "envelope"], envelope))
+
+    # Witness cosignatures, before or after the log's own signature, are ignored.
+    signed = log.checkpoint(root)
+    case.verify(bundle=set_checkpoint(signed.replace("\n\n", "\n\n" + cosignature)))
+    case.verify(bundle=set_checkpoint(signed + cosignature))
+
+    # A signature under another name no longer matches the log's key hash.
+    with pytest.raises(LogEntryError, match="no valid signature from log"):
+        case.verify(bundle=set_checkpoint(log.checkpoint(root, signer_name="other.rekor.test")))
+    # Only witnesses signed: the log's signature is missing.
+    with pytest.raises(LogEntryError, match="no valid signature from log"):
+        case.verify(bundle=set_checkpoint(text + "\n" + cosignature))
+    # Signed by another key under the log's name.
+    impostor = OwnLog(ed25519.Ed25519PrivateKey.generate(), name=log.name)
+    with pytest.raises(LogEntryError, match="no valid signature from log"):
+        case.verify(bundle=set_checkpoint(impostor.checkpoint(root)))
+    # Missing origin, size or root hash lines.
+    lines = text.split("\n")
+    for drop in range(3):
+        broken = "\n".join(line for i, line in enumerate(lines) if i != drop)
+        with pytest.raises(LogEntryError, match="checkpoint"):
+            case.verify(bundle=set_checkpoint(broken + "\n" + signed.split("\n\n")[1]))
+
+
+def test_ecdsa_checkpoint_signer_must_be_the_logs_name(tmp_path: Path) -> None:
+    log = OwnLog(ec.generate_private_key(ec.SECP256R1()))
+    case = make_key_bundle(tmp_path, entry=("hashedrekord", "0.0.1"), log=log)
+    root = base64.b64decode(case.document["verificationMaterial"]["tlogEntries"][0]["inclusionProof"]["rootHash"])
+    envelope = log.checkpoint(root, signer_name="elsewhere.test")
+    with pytest.raises(LogEntryError, match="no valid signature from log"):
+        case.verify(bundle=case.rewrite(_set([*ENTRY, "inclusionProof", "checkpoint", "envelope"], envelope)))
+
+
+def test_signed_entry_timestamp_must_verify(tmp_path: Path) -> None:
+    case = make_key_bundle(tmp_path, entry=("hashedrekord", "0.0.1"))
+    promise = case.document["verificationMaterial"]["tlogEntries"][0]["inclusionPromise"]
+    forged = flip_b64(promise["signedEntryTimestamp"])
+    with pytest.raises(LogEntryError, match="signed entry timestamp does not verify"):
+        case.verify(bundle=case.rewrite(_set([*ENTRY, "inclusionPromise", "signedEntryTimestamp"], forged)))
+    with pytest.raises(LogEntryError, match="signed entry timestamp does not verify"):
+        case.verify(bundle=case.rewrite(_set([*ENTRY, "integratedTime"], str(INTEGRATED + 1))))
+
+
+def test_log_key_validity_is_a_closed_interval(tmp_path: Path) -> None:
+    at_end = datetime.fromtimestamp(INTEGRATED, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    log = OwnLog(ec.generate_private_key(ec.SECP256R1()), valid_for={"start": "2020-01-01T00:00:00Z", "end": at_end})
+    (tmp_path / "a").mkdir()
+    make_key_bundle(tmp_path / "a", entry=("hashedrekord", "0.0.1"), log=log).verify()
+
+    before = datetime.fromtimestamp(INTEGRATED - 1, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    log.valid_for = {"start": "2020-01-01T00:00:00Z", "end": before}
+    (tmp_path / "b").mkdir()
+    case = make_key_bundle(tmp_path / "b", entry=("hashedrekord", "0.0.1"), log=log)
+    with pytest.raises(UntrustedRootError, match="outside the validity period"):
+        case.verify()
+
+
+def test_inclusion_proof_index_outside_tree(tmp_path: Path) -> None:
+    case = make_key_bundle(tmp_path, entry=("hashedrekord", "0.0.2"))
+    with pytest.raises(LogEntryError, match="outside its tree of size"):
+        case.verify(bundle=case.rewrite(_set([*ENTRY, "inclusionProof", "logIndex"], "7")))
+
+
+def test_inclusion_proof_with_extra_hash(tmp_path: Path) -> None:
+    case = make_key_bundle(tmp_path, entry=("hashedrekord", "0.0.2"))
+    hashes_ = case.document["verificationMaterial"]["tlogEntries"][0]["inclusionProof"]["hashes"]
+    with pytest.raises(LogEntryError, match="more hashes than its tree needs"):
+        case.verify(bundle=case.rewrite(_set([*ENTRY, "inclusionProof", "hashes"], [*hashes_, hashes_[0]])))
+
+
+@pytest.mark.parametrize(
+    ("statement_type", "payload_type", "error", "message"),
+    [
+        (
+            "https://in-toto.io/Statement/v2",
+            "application/vnd.in-toto+json",
+            UnsupportedPayloadTypeError,
+            "not an in-toto Statement v1",
+        ),
+        (None, "application/vnd.in-toto+json", MalformedInputError, "has no _type"),
+        ("https://in-toto.io/Statement/v1", "text/plain", UnsupportedPayloadTypeError, "payload type is 'text/plain'"),
+    ],
+)
+def test_key_dsse_statement_rules(
+    tmp_path: Path, statement_type: str | None, payload_type: str, error: type[Exception], message: str
+) -> None:
+    case = make_key_bundle(
+        tmp_path, dsse=True, entry=("hashedrekord", "0.0.2"), statement_type=statement_type, payload_type=payload_type
+    )
+    with pytest.raises(error, match=message):
+        case.verify()
+
+
+def test_key_statement_v01_is_accepted(tmp_path: Path) -> None:
+    make_key_bundle(tmp_path, dsse=True, statement_type="https://in-toto.io/Statement/v0.1").verify()
+
+
+def test_identity_policy_on_key_bundle(tmp_path: Path) -> None:
+    case = make_key_bundle(tmp_path)
+    with pytest.raises(IdentityMismatchError, match="signed with a managed key, not a Fulcio certificate"):
+        case.verify(policy=CertificateIdentity("a@example.com", GITHUB_OAUTH))
+
+
+def test_malformed_managed_key(tmp_path: Path) -> None:
+    case = make_key_bundle(tmp_path)
+    with pytest.raises(MalformedInputError, match="not a PEM public key"):
+        case.verify(policy=ManagedKey(b"-----BEGIN PUBLIC KEY-----\nnope\n-----END PUBLIC KEY-----\n"))
+
+
+def test_dsse_envelope_with_two_signatures_is_malformed(tmp_path: Path) -> None:
+    case = make_key_bundle(tmp_path, dsse=True)
+    signatures = case.document["dsseEnvelope"]["signatures"]
+    with pytest.raises(MalformedInputError, match="exactly one signature, found 2"):
+        case.verify(bundle=case.rewrite(_set(["dsseEnvelope", "signatures"], signatures * 2)))
+
+
+def test_future_integrated_time_rejects(tmp_path: Path) -> None:
+    log = OwnLog(ec.generate_private_key(ec.SECP256R1()))
+    case = make_key_bundle(tmp_path, entry=("hashedrekord", "0.0.1"), log=log)
+    entry = case.document["verificationMaterial"]["tlogEntries"][0]
+    future = int((datetime.now(UTC) + timedelta(days=2)).timestamp())
+    body = base64.b64decode(entry["canonicalizedBody"])
+    redone = log.entry("hashedrekord", "0.0.1", body, promise=True, integrated_time=future)
+    with pytest.raises(LogEntryError, match="integrated in the future"):
+        case.verify(bundle=case.rewrite(_set(["verificationMaterial", "tlogEntries"], [redone])))
