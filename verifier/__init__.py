@@ -21,6 +21,8 @@ from ._internal.errors import (
     DigestMismatchError,
     IdentityMismatchError,
     KeyFileError,
+    LogEntryError,
+    LogProofError,
     MalformedInputError,
     SubjectMismatchError,
     ThresholdNotMetError,
@@ -52,7 +54,7 @@ from ._internal.keys import (
 from ._internal.subjects import verify_subjects
 
 __all__ = [
-    "BadSignatureError", "DigestMismatchError", "IdentityMismatchError", "KeyFileError", "KeyId",
+    "BadSignatureError", "DigestMismatchError", "IdentityMismatchError", "KeyFileError", "KeyId", "LogEntryError", "LogProofError",
     "MalformedInputError", "SigningKey", "SubjectMismatchError", "ThresholdNotMetError",
     "TrustedKey", "TrustedKeys", "UnknownKeyError", "UnsupportedPayloadTypeError",
     "UntrustedRootError", "VerificationError", "VerifiedEnvelope", "b64decode_any",

@@ -22,6 +22,7 @@ from ._internal.dsse import read_envelope, verify_envelope, verify_statement_env
 from ._internal.errors import MalformedInputError, VerificationError
 from ._internal.keys import load_trusted_keys, read_limited
 from ._internal.subjects import verify_subjects
+from ._internal.tlog_cli import add_log_parser
 
 
 class ExitCode(IntEnum):
@@ -141,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     vb.add_argument("--staging", action="store_true", help="use the shipped staging trusted root")
     vb.add_argument("artifact", metavar="FILE_OR_sha256:HEX", help="the signed file, or its sha256 digest")
     vb.set_defaults(run=_cmd_verify_bundle)
+
+    add_log_parser(sub)
     return parser
 
 

@@ -23,6 +23,15 @@ REPLAY_PREDICATE = "https://kvgraft.dev/replay/v1"
 # --- exactness -----------------------------------------------------------------------------
 
 
+class DatasetRef(Contract):
+    """The dataset file evaluated: name and sha256 of its bytes."""
+
+    name: str
+    digest: DigestField
+
+
+
+
 class LogitsFiles(Contract):
     """Raw logits attached to a sample, so the verifier recomputes KL and argmax with numpy."""
 
@@ -33,11 +42,15 @@ class LogitsFiles(Contract):
 class ExactnessSample(Contract):
     """One comparison of a grafted continuation against a fresh computation."""
 
-    prefix_artifact: DigestField = Field(description="subject digest of the grafted artifact")
-    continuation_digest: DigestField = Field(description="sha256 of the continuation's token ids")
-    fresh_logits_sha256: DigestField
+    index: int = Field(ge=0)
+    prefix_artifact: DigestField = Field(description="subject digest of the grafted artifact's tensors")
+    prefix_tokens: int = Field(ge=1)
+    continuation_digest: DigestField = Field(description="sha256 of the canonical JSON of the continuation's token ids")
+    continuation_tokens: int = Field(ge=1)
+    fresh_logits_sha256: DigestField = Field(description="sha256 of the fresh logits, float32 LE row-major [tokens, vocab]")
     graft_logits_sha256: DigestField
-    kl_divergence: float = Field(ge=0.0)
+    bitwise_equal: bool
+    kl_divergence: float = Field(ge=0.0, description="max over positions of KL(fresh || graft), in nats, float64")
     argmax_agreement: float = Field(ge=0.0, le=1.0, description="fraction of positions whose argmax agrees")
     shift: int = Field(default=0, description="positions the graft was moved by; non-zero is approximate")
     logits_files: LogitsFiles | None = None
@@ -48,8 +61,9 @@ class ExactnessSummary(Contract):
 
     samples: int = Field(ge=0)
     bitwise_equal: int = Field(ge=0)
-    argmax_agree_all: int = Field(ge=0)
+    argmax_agree_all: int = Field(ge=0, description="samples whose argmax agrees at every position")
     max_kl_divergence: float = Field(ge=0.0)
+    mean_argmax_agreement: float = Field(ge=0.0, le=1.0)
 
 
 class ExactnessPredicate(Contract):
@@ -58,6 +72,10 @@ class ExactnessPredicate(Contract):
     model: ModelRef
     profile: DeterminismProfile
     level: Literal["own-position", "schedule-invariant", "shifted"]
+    shift: int = Field(default=0)
+    vocab_size: int = Field(ge=1)
+    data_sources: list[DatasetRef] = Field(default_factory=list)
+    seed: int
     samples: list[ExactnessSample]
     summary: ExactnessSummary
 
@@ -78,13 +96,6 @@ class ExactnessStatement(Statement):
 
 
 # --- evaluation ----------------------------------------------------------------------------
-
-
-class DatasetRef(Contract):
-    """The dataset file evaluated: name and sha256 of its bytes."""
-
-    name: str
-    digest: DigestField
 
 
 class EvaluationItem(Contract):
