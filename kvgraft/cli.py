@@ -214,6 +214,28 @@ def _cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _cmd_exactness(args: argparse.Namespace) -> dict[str, Any]:
+    engine = _engine()
+    from kvgraft.engine._internal.exactness import run_exactness, summary_table
+
+    model, profile = _model_and_profile(engine, args.model, args.profile)
+    key = args.key
+    if key is None:
+        key, _ = engine.ensure_local_key()
+    statement = run_exactness(
+        model, profile, args.out, samples=args.samples, key=key, shift=args.shifted, seed=args.seed,
+        continuation_tokens=args.continuation_tokens, max_tokens=args.max_prefix_tokens,
+        keep_artifacts=args.keep_artifacts, passphrase=_passphrase(args.passphrase_env), progress=not args.json,
+    )
+    s = statement.predicate.summary
+    return {
+        "record": str(args.out), "model": args.model, "level": statement.predicate.level, "shift": args.shifted,
+        "samples": s.samples, "bitwise_equal": s.bitwise_equal, "argmax_agree_all": s.argmax_agree_all,
+        "mean_argmax_agreement": s.mean_argmax_agreement, "max_kl_divergence": s.max_kl_divergence,
+        "key": str(key), "summary": summary_table(statement) + f"\nrecord written to {args.out} (signed with {key})",
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``kvgraft``."""
     parser = argparse.ArgumentParser(prog="kvgraft", description="Capture, sign, publish and graft KV state.")
@@ -280,6 +302,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     engine_opts(gen)
     gen.set_defaults(run=_cmd_generate)
+
+    ex = sub.add_parser("exactness", help="graft vs fresh on N samples of real text; writes a signed exactness record")
+    ex.add_argument("--model", required=True)
+    ex.add_argument("--samples", type=int, default=50)
+    ex.add_argument("--out", type=Path, required=True, help="the record directory to create")
+    ex.add_argument("--shifted", type=int, default=0, metavar="K", help="graft K positions away (approximate, measured)")
+    ex.add_argument("--seed", type=int, default=0)
+    ex.add_argument("--continuation-tokens", type=int, default=8)
+    ex.add_argument("--max-prefix-tokens", type=int, help="longest prefix (default: twice the sliding window, or 768)")
+    ex.add_argument("--keep-artifacts", action="store_true", help="keep each sample's artifact in OUT-artifacts/")
+    ex.add_argument("--key", type=Path, help="Ed25519 private key (default: the local key)")
+    ex.add_argument("--passphrase-env", metavar="VAR")
+    ex.add_argument("--profile", default="cpu-fp32")
+    ex.set_defaults(run=_cmd_exactness)
     return parser
 
 

@@ -18,6 +18,7 @@ from ._internal.dsse import (
 )
 from ._internal.errors import (
     BadSignatureError,
+    ClaimMismatchError,
     DigestMismatchError,
     IdentityMismatchError,
     KeyFileError,
@@ -30,6 +31,15 @@ from ._internal.errors import (
     UnsupportedPayloadTypeError,
     UntrustedRootError,
     VerificationError,
+)
+from ._internal.exactness import (
+    LOGITS_DIR,
+    RECORD_FILE,
+    LogitsComparison,
+    compare_logits,
+    logits_file_name,
+    read_logits,
+    verify_exactness_record,
 )
 from ._internal.keys import (
     KeyId,
@@ -54,7 +64,7 @@ from ._internal.keys import (
 from ._internal.subjects import verify_subjects
 
 __all__ = [
-    "BadSignatureError", "DigestMismatchError", "IdentityMismatchError", "KeyFileError", "KeyId", "LogEntryError", "LogProofError",
+    "BadSignatureError", "ClaimMismatchError", "DigestMismatchError", "IdentityMismatchError", "KeyFileError", "KeyId", "LogEntryError", "LogProofError",
     "MalformedInputError", "SigningKey", "SubjectMismatchError", "ThresholdNotMetError",
     "TrustedKey", "TrustedKeys", "UnknownKeyError", "UnsupportedPayloadTypeError",
     "UntrustedRootError", "VerificationError", "VerifiedEnvelope", "b64decode_any",
@@ -62,5 +72,5 @@ __all__ = [
     "load_private_key", "load_public_key", "load_trusted_keys", "open_signing_key", "pae",
     "parse_envelope", "parse_public_key", "parse_trusted_keys", "public_key_pem", "read_envelope",
     "save_private_key", "save_public_key", "sign_envelope", "sign_statement", "trusted_key",
-    "verify_envelope", "verify_statement_envelope", "verify_subjects", "write_atomic",
+    "LOGITS_DIR", "RECORD_FILE", "LogitsComparison", "compare_logits", "logits_file_name", "read_logits", "verify_exactness_record", "verify_envelope", "verify_statement_envelope", "verify_subjects", "write_atomic",
 ]

@@ -20,6 +20,7 @@ from kvgraft.schemas import InvalidDigestError, SchemaError, Sha256Digest, parse
 
 from ._internal.dsse import read_envelope, verify_envelope, verify_statement_envelope
 from ._internal.errors import MalformedInputError, VerificationError
+from ._internal.exactness import verify_exactness_record
 from ._internal.keys import load_trusted_keys, read_limited
 from ._internal.subjects import verify_subjects
 from ._internal.tlog_cli import add_log_parser
@@ -67,6 +68,26 @@ def _cmd_envelope(args: argparse.Namespace) -> dict[str, Any]:
     checked = f"; {len(result['subjects_checked'])} subject file(s) match" if "subjects_checked" in result else ""
     result["summary"] = f"OK: {statement.predicate_type} statement signed by {signers}{checked}"
     return result
+
+
+def _cmd_exactness(args: argparse.Namespace) -> dict[str, Any]:
+    statement, signers = verify_exactness_record(args.record, load_trusted_keys(args.trusted_keys))
+    p = statement.predicate
+    s = p.summary
+    return {
+        "verified": "exactness",
+        "model": p.model.name,
+        "level": p.level,
+        "shift": p.shift,
+        "samples": s.samples,
+        "bitwise_equal": s.bitwise_equal,
+        "argmax_agree_all": s.argmax_agree_all,
+        "max_kl_divergence": s.max_kl_divergence,
+        "signers": signers,
+        "summary": f"OK: {p.level} exactness record for {p.model.name}, signed by {', '.join(signers)}: "
+        f"{s.bitwise_equal}/{s.samples} bitwise equal, argmax {s.argmax_agree_all}/{s.samples}, "
+        f"max KL {s.max_kl_divergence!r}; every hash, KL and argmax recomputed",
+    }
 
 
 def _artifact_arg(value: str) -> Path | Sha256Digest:
@@ -142,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     vb.add_argument("--staging", action="store_true", help="use the shipped staging trusted root")
     vb.add_argument("artifact", metavar="FILE_OR_sha256:HEX", help="the signed file, or its sha256 digest")
     vb.set_defaults(run=_cmd_verify_bundle)
+
+    ex = sub.add_parser("exactness", help="re-check an exactness record and its logits files (numpy only)")
+    ex.add_argument("record", type=Path, help="the record directory (record.dsse.json and logits/)")
+    ex.add_argument("--trusted-keys", type=Path, required=True, help="trusted-keys JSON file")
+    ex.set_defaults(run=_cmd_exactness)
 
     add_log_parser(sub)
     return parser

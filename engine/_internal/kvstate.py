@@ -44,6 +44,8 @@ class KVState:
         self.model = model
         self.cache = DynamicCache(config=model.module.config)
         self.token_ids: list[int] = []
+        #: Positions the state was moved by (approximate shifted grafts only; 0 is exact).
+        self.shift = 0
 
     @property
     def end(self) -> int:
@@ -63,7 +65,12 @@ class KVState:
                 hint="use a shorter text",
             )
         input_ids = torch.tensor([ids], dtype=torch.long)  # [1, n]
-        out = self.model.module(input_ids=input_ids, cache=self.cache, use_cache=True)
+        extra = {}
+        if self.shift:
+            # Only RoPE sees the moved positions; masks still count the tokens actually held.
+            first = self.end + self.shift
+            extra["position_ids"] = torch.arange(first, first + len(ids), dtype=torch.long)[None, :]  # [1, n]
+        out = self.model.module(input_ids=input_ids, cache=self.cache, use_cache=True, **extra)
         self.token_ids.extend(ids)
         return out.logits[0].to(torch.float32)  # [1, n, vocab] -> [n, vocab]
 
@@ -81,12 +88,15 @@ class KVState:
         return tensors
 
     @classmethod
-    def restore(cls, model: LoadedModel, chain: list[Segment]) -> KVState:
+    def restore(cls, model: LoadedModel, chain: list[Segment], *, shift: int = 0) -> KVState:
         """Rebuild the state at ``chain[-1].end`` from a root-first chain of segments.
 
-        Every shape and count is checked against the model before the cache is touched.
+        Every shape and count is checked against the model before the cache is touched. A
+        non-zero ``shift`` moves the state by re-rotating cached keys with RoPE: approximate,
+        measured, never exact.
         """
         state = cls(model)
+        state.shift = shift
         _check_chain(model, chain)
         last = chain[-1]
         for i, layer in enumerate(state.cache.layers):
@@ -95,6 +105,8 @@ class KVState:
             else:
                 keys = torch.cat([s.tensors[f"layers.{i}.keys"] for s in chain], dim=-2)  # [1, h, end, d]
                 values = torch.cat([s.tensors[f"layers.{i}.values"] for s in chain], dim=-2)
+            if shift:
+                keys = rerotate(keys, *_rotation(model, i, shift))
             layer.lazy_initialization(keys, values)
             layer.keys, layer.values = keys, values
             if isinstance(layer, DynamicSlidingWindowLayer):
@@ -141,3 +153,23 @@ def _check_chain(model: LoadedModel, chain: list[Segment]) -> None:
                         f"{model.spec.name} needs (1, {kv_heads}, {held}, {head_dim}) float32"
                     )
         cursor = seg.end
+
+
+def _rotation(model: LoadedModel, layer: int, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # The model's own rotary module gives cos/sin for an angle of `shift` positions, with the
+    # right base for the layer (Gemma 3's local and global layers use different bases).
+    rotary = model.module.model.rotary_emb
+    x = torch.zeros(1, dtype=torch.float32)
+    pos = torch.tensor([[shift]], dtype=torch.long)  # [1, 1]
+    if model.spec.architecture == "gemma3":
+        cos, sin = rotary(x, pos, model.module.config.layer_types[layer])
+    else:
+        cos, sin = rotary(x, pos)
+    return cos[:, None], sin[:, None]  # [1, 1, d] -> [1, 1, 1, d], broadcast over heads and tokens
+
+
+def rerotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate post-RoPE keys ``[1, h, t, d]`` by a further angle (RoPE rotations compose)."""
+    half = keys.shape[-1] // 2
+    rotated_half = torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)  # [1, h, t, d]
+    return keys * cos + rotated_half * sin

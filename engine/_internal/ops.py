@@ -97,11 +97,11 @@ def capture(
         )
 
 
-def graft(model: LoadedModel, profile: DeterminismProfile, artifact: LoadedArtifact, text: str) -> Continuation:
-    """Restore ``artifact`` at its own positions and run ``text`` on it."""
+def graft(model: LoadedModel, profile: DeterminismProfile, artifact: LoadedArtifact, text: str, *, shift: int = 0) -> Continuation:
+    """Restore ``artifact`` at its own positions (or ``shift`` away, approximately) and run ``text``."""
     with applied(profile):
         t0 = time.perf_counter()
-        state = KVState.restore(model, artifact.segments())
+        state = KVState.restore(model, artifact.segments(), shift=shift)
         ids = _tokens(model, text, first=False, what="continuation text")
         logits = state.extend(ids)
         return Continuation(logits, artifact.statement.predicate.positions.end, ids, time.perf_counter() - t0)

@@ -111,3 +111,9 @@ class LogProofError(VerificationError):
         "the proof, checkpoint or entry was altered, or they come from different logs or tree sizes; "
         "fetch them again from the registry"
     )
+
+
+class ClaimMismatchError(VerificationError):
+    """A figure in a record differs from the one recomputed from its files."""
+
+    default_hint = "the record's claims were altered, or the producer computed them wrongly; do not trust them"
