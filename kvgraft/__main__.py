@@ -1,0 +1,5 @@
+"""``python -m kvgraft`` runs the ``kvgraft`` command."""
+
+from .cli import run
+
+run()

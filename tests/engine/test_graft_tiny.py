@@ -1,0 +1,163 @@
+"""Capture, graft and fresh on tiny-llama-test: own-position exactness, chains, byte-identical
+captures across processes, and every kind of mismatched graft refused before the model runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvgraft.engine import (
+    ArtifactError,
+    KVState,
+    LoadedModel,
+    ProfileMismatchError,
+    applied,
+    capture,
+    current_profile,
+    fresh,
+    graft,
+    load_artifact,
+    load_model,
+    logits_digest,
+)
+from kvgraft.schemas import DeterminismProfile
+
+PREFIXES = ["a", "Hello, world.", "The quick brown fox jumps over the lazy dog. " * 6, "ünïcödé ✓ " * 9]
+CONTINUATIONS = [" x", " and then it rained for three days.", "!"]
+
+
+@pytest.mark.parametrize("prefix", PREFIXES)
+@pytest.mark.parametrize("continuation", CONTINUATIONS)
+def test_graft_equals_fresh_bitwise(tiny: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path, prefix: str, continuation: str) -> None:
+    capture(tiny, profile, prefix, tmp_path / "a", key=key)
+    art = load_artifact(tmp_path / "a", tiny, profile)
+    g = graft(tiny, profile, art, continuation)
+    f = fresh(tiny, profile, prefix, continuation)
+    assert torch.equal(g.logits, f.logits)
+    assert g.summary()["logits_sha256"] == f.summary()["logits_sha256"]
+    assert g.positions == f.positions == (len(art.statement.predicate.tokens.ids), len(art.statement.predicate.tokens.ids) + len(g.continuation_ids))
+
+
+def test_statement_fields(tiny: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path) -> None:
+    captured = capture(tiny, profile, "Hello", tmp_path / "a", key=key)
+    p = captured.statement.predicate
+    assert p.tokens.ids == [1, *(b + 3 for b in b"Hello")]
+    assert (p.positions.start, p.positions.end) == (0, 6)
+    assert p.parent is None and p.source_text.text == "Hello"
+    assert p.profile == profile and p.model == tiny.ref
+    assert sorted(x.name for x in (tmp_path / "a").iterdir()) == ["kv.safetensors", "statement.dsse.json"]
+
+
+def test_chain_graft_equals_the_same_schedule_recomputed(tiny: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path) -> None:
+    capture(tiny, profile, "Instructions: answer briefly.\n", tmp_path / "root", key=key)
+    root = load_artifact(tmp_path / "root", tiny, profile)
+    capture(tiny, profile, "Q: 2+2?\nA:", tmp_path / "child", key=key, parent=root)
+    child = load_artifact(tmp_path / "child", tiny, profile)
+    assert child.statement.predicate.parent == root.kv_digest
+    assert child.statement.predicate.positions.start == root.statement.predicate.positions.end
+    g = graft(tiny, profile, child, " 4")
+    with applied(profile):
+        state = KVState(tiny)
+        state.extend(tiny.tokenizer.encode("Instructions: answer briefly.\n", first=True))
+        state.extend(tiny.tokenizer.encode("Q: 2+2?\nA:", first=False))
+        expected = state.extend(tiny.tokenizer.encode(" 4", first=False))
+    assert torch.equal(g.logits, expected)
+
+
+def test_two_processes_capture_identical_bytes(tmp_path: Path) -> None:
+    (tmp_path / "t.txt").write_text("Determinism is a feature. " * 5)
+    digests = []
+    for name in ("one", "two"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvgraft", "--json", "capture", "--model", "tiny-llama-test", "--text-file", str(tmp_path / "t.txt"), "--out", str(tmp_path / name)],
+            capture_output=True, text=True, env=os.environ.copy(), timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        digests.append(json.loads(proc.stdout)["kv_sha256"])
+    assert digests[0] == digests[1]
+    assert (tmp_path / "one" / "kv.safetensors").read_bytes() == (tmp_path / "two" / "kv.safetensors").read_bytes()
+
+
+class _Counter:
+    def __init__(self, model: LoadedModel) -> None:
+        self.calls = 0
+        self.handle = model.module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_: object) -> None:
+        self.calls += 1
+
+
+@pytest.fixture
+def artifact(tiny: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path) -> Path:
+    capture(tiny, profile, "A prefix worth keeping.", tmp_path / "a", key=key)
+    return tmp_path / "a"
+
+
+def _refused_without_running(tiny: LoadedModel, fn, error: type[Exception], match: str) -> None:  # type: ignore[no-untyped-def]
+    counter = _Counter(tiny)
+    try:
+        with pytest.raises(error, match=match):
+            fn()
+    finally:
+        counter.handle.remove()
+    assert counter.calls == 0
+
+
+def test_tampered_tensors_refused(tiny: LoadedModel, profile: DeterminismProfile, artifact: Path) -> None:
+    kv = artifact / "kv.safetensors"
+    data = bytearray(kv.read_bytes())
+    data[-3] ^= 0x01
+    kv.write_bytes(bytes(data))
+    _refused_without_running(tiny, lambda: graft(tiny, profile, load_artifact(artifact, tiny, profile), " x"), ArtifactError, "has digest sha256:.* but the statement says")
+
+
+def test_other_profile_refused_naming_fields(tiny: LoadedModel, profile: DeterminismProfile, artifact: Path) -> None:
+    other = profile.model_copy(update={"threads": profile.threads + 1, "attention_implementation": "sdpa"})
+    _refused_without_running(tiny, lambda: load_artifact(artifact, tiny, other), ProfileMismatchError,
+                             r"profile\.threads: artifact 2, here 3; profile\.attention_implementation: artifact 'eager', here 'sdpa'")
+
+
+def test_other_model_refused(tiny: LoadedModel, profile: DeterminismProfile, artifact: Path) -> None:
+    other = LoadedModel(tiny.spec, tiny.module, tiny.tokenizer, tiny.ref.model_copy(update={"weights_digest": "sha256:" + "0" * 64}), tiny.tokenizer_digest)
+    _refused_without_running(tiny, lambda: load_artifact(artifact, other, profile), ProfileMismatchError, r"model\.weights_digest: artifact sha256:")
+
+
+def test_wrong_parent_refused(tiny: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path) -> None:
+    base = tmp_path / "chain"
+    capture(tiny, profile, "parent one", base / "p1", key=key)
+    capture(tiny, profile, " child", base / "c", key=key, parent=load_artifact(base / "p1", tiny, profile))
+    # Replace the parent with a different artifact under the same directory name.
+    shutil.rmtree(base / "p1")
+    capture(tiny, profile, "parent two", base / "p1", key=key)
+    index = Path(os.environ["KVGRAFT_HOME"]) / "index"
+    for entry in index.iterdir():
+        if entry.read_text().strip() == str((base / "p1").resolve()):
+            entry.unlink()
+    _refused_without_running(tiny, lambda: load_artifact(base / "c", tiny, profile), ArtifactError, "parent artifact sha256:.* was not found")
+
+
+def test_shifted_graft_is_close_but_not_exact(tiny: LoadedModel, profile: DeterminismProfile, artifact: Path) -> None:
+    art = load_artifact(artifact, tiny, profile)
+    exact = graft(tiny, profile, art, " and more")
+    shifted = graft(tiny, profile, art, " and more", shift=3)
+    assert logits_digest(exact.logits) != logits_digest(shifted.logits)
+    assert (exact.logits.argmax(-1) == shifted.logits.argmax(-1)).float().mean() >= 0.5
+
+
+def test_profile_context_restores_state() -> None:
+    threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    p = current_profile().model_copy(update={"threads": 1})
+    with applied(p):
+        assert torch.get_num_threads() == 1 and torch.are_deterministic_algorithms_enabled()
+    assert torch.get_num_threads() == threads and torch.are_deterministic_algorithms_enabled() == det
+
+
+def test_tiny_model_is_the_same_every_time() -> None:
+    assert load_model("tiny-llama-test").ref == load_model("tiny-llama-test").ref
