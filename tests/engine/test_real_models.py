@@ -1,0 +1,94 @@
+"""The real bundled models, with short texts: graft equals fresh bit for bit on SmolLM2-135M
+and Gemma 3 270M (including a prefix past Gemma's 512-token sliding window), captures are
+byte-identical across processes, and an artifact is refused by the other model.
+
+The first run converts each GGUF once (20-150 s) into the test cache; later runs reuse it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvgraft.engine import LoadedModel, ProfileMismatchError, capture, fresh, graft, load_artifact, load_model
+from kvgraft.schemas import DeterminismProfile
+
+pytestmark = pytest.mark.slow
+
+GSM8K = Path(__file__).resolve().parents[2] / "data" / "datasets" / "gsm8k_test.jsonl"
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LoadedModel:
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def gemma3() -> LoadedModel:
+    return load_model("gemma3-270m")
+
+
+def _text_of_tokens(model: LoadedModel, n: int) -> str:
+    text = ""
+    for line in GSM8K.read_text().splitlines():
+        row = json.loads(line)
+        text += f"Question: {row['question']}\nAnswer: {row['answer']}\n\n"
+        ids = model.tokenizer.encode(text, first=True)
+        if len(ids) >= n:
+            return model.tokenizer.decode(ids[:n])
+    raise AssertionError("not enough text")
+
+
+def _exact(model: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path, prefix: str, continuation: str) -> int:
+    capture(model, profile, prefix, tmp_path / "a", key=key)
+    art = load_artifact(tmp_path / "a", model, profile)
+    g = graft(model, profile, art, continuation)
+    f = fresh(model, profile, prefix, continuation)
+    assert torch.equal(g.logits, f.logits), "graft and fresh logits differ"
+    assert g.summary()["logits_sha256"] == f.summary()["logits_sha256"]
+    return art.statement.predicate.positions.end
+
+
+def test_smollm2_graft_equals_fresh(smollm2: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path) -> None:
+    end = _exact(smollm2, profile, key, tmp_path, _text_of_tokens(smollm2, 48), " Natalia sold 48/2 = 24 clips in May.")
+    assert end >= 40
+
+
+def test_gemma3_graft_equals_fresh_short(gemma3: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path) -> None:
+    _exact(gemma3, profile, key, tmp_path, "The capital of France is", " Paris, and the capital of Italy is Rome.")
+
+
+def test_gemma3_graft_equals_fresh_past_the_sliding_window(gemma3: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path) -> None:
+    assert gemma3.sliding_window == 512
+    end = _exact(gemma3, profile, key, tmp_path, _text_of_tokens(gemma3, 560), "\n\nQuestion: How many apples")
+    assert end > 512
+    art = load_artifact(tmp_path / "a", gemma3, profile)
+    # Sliding layers hold only their window, and say how many tokens they have seen.
+    sliding = [i for i, t in enumerate(gemma3.module.config.layer_types) if t == "sliding_attention"]
+    assert art.tensors[f"layers.{sliding[0]}.keys"].shape[-2] == 511
+    assert int(art.tensors[f"layers.{sliding[0]}.seen"][0]) == end
+
+
+def test_artifact_refused_by_the_other_model(smollm2: LoadedModel, gemma3: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path) -> None:
+    capture(smollm2, profile, "Hello there.", tmp_path / "a", key=key)
+    with pytest.raises(ProfileMismatchError, match=r"model\.name: artifact smollm2-135m, here gemma3-270m;.*tokenizer_digest"):
+        load_artifact(tmp_path / "a", gemma3, profile)
+
+
+def test_smollm2_two_processes_capture_identical_bytes(smollm2: LoadedModel, tmp_path: Path) -> None:
+    (tmp_path / "t.txt").write_text("A worked solution: 3 + 4 = 7, so the answer is 7.")
+    digests = []
+    for name in ("one", "two"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvgraft", "--json", "capture", "--model", "smollm2-135m", "--text-file", str(tmp_path / "t.txt"), "--out", str(tmp_path / name)],
+            capture_output=True, text=True, env=os.environ.copy(), timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr
+        digests.append(json.loads(proc.stdout)["kv_sha256"])
+    assert digests[0] == digests[1]
