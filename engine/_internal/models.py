@@ -297,9 +297,15 @@ def load_model(name: str, *, progress: bool = True) -> LoadedModel:
     if spec.gguf_sha256 is None:
         return _build_tiny()
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     directory = ensure_cached(spec, progress=progress)
-    module = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+    # Loading the converted cache takes well under a second: its progress bar is noise.
+    hf_logging.disable_progress_bar()
+    try:
+        module = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+    finally:
+        hf_logging.enable_progress_bar()
     module.eval()
     hf_tok = AutoTokenizer.from_pretrained(directory)
     tokenizer = HfTokenizer(hf_tok, digest=sha256_file(directory / "tokenizer.json"))
