@@ -236,7 +236,7 @@ def test_vector_rejects_altered_inclusion_root(vectors: Path, vector: Vector, tm
     document = load(vectors / vector.bundle)
     proof = document["verificationMaterial"]["tlogEntries"][0]["inclusionProof"]
     proof["rootHash"] = flip_b64(proof["rootHash"])
-    with pytest.raises(LogEntryError, match="inclusion proof does not hash up to its root hash"):
+    with pytest.raises(LogEntryError, match="inclusion proof fails: .* leads to root .*, not the expected"):
         verify_bundle(
             write(tmp_path / "bundle.json", document),
             artifact_of(vectors, vector),  # type: ignore[arg-type]
@@ -251,7 +251,7 @@ def test_vector_rejects_altered_proof_hash_and_checkpoint(vectors: Path, tmp_pat
     proof = document["verificationMaterial"]["tlogEntries"][0]["inclusionProof"]
     proof["hashes"][3] = flip_b64(proof["hashes"][3])
     identity = CertificateIdentity(vector.identity, vector.issuer)
-    with pytest.raises(LogEntryError, match="does not hash up"):
+    with pytest.raises(LogEntryError, match="leads to root .*, not the expected"):
         verify_bundle(write(tmp_path / "a.json", document), vectors / vector.artifact, identity)
 
     document = load(vectors / vector.bundle)
@@ -534,11 +534,11 @@ def test_malformed_bundle_fields(
 def test_directory_and_missing_inputs(vectors: Path, tmp_path: Path) -> None:
     with pytest.raises(MalformedInputError, match="is a directory, not a file"):
         _verify_v3(vectors, tmp_path)
-    with pytest.raises(MalformedInputError, match="cannot read the bundle"):
+    with pytest.raises(MalformedInputError, match="bundle .*missing.json does not exist"):
         _verify_v3(vectors, tmp_path / "missing.json")
     with pytest.raises(MalformedInputError, match="artifact .* is a directory"):
         _verify_v3(vectors, vectors / "bundle_v3.txt.sigstore", tmp_path)
-    with pytest.raises(MalformedInputError, match="cannot read the artifact"):
+    with pytest.raises(MalformedInputError, match="artifact .*missing.txt does not exist"):
         _verify_v3(vectors, vectors / "bundle_v3.txt.sigstore", tmp_path / "missing.txt")
     with pytest.raises(MalformedInputError, match="is not a sha256 digest"):
         _verify_v3(vectors, vectors / "bundle_v3.txt.sigstore", "sha256:abc")
@@ -972,7 +972,7 @@ def test_key_bundle_mutations_reject(tmp_path: Path, dsse: bool, entry: tuple[st
         proof = document["verificationMaterial"]["tlogEntries"][0]["inclusionProof"]
         proof["rootHash"] = flip_b64(proof["rootHash"])
 
-    with pytest.raises(LogEntryError, match="inclusion proof does not hash up to its root hash"):
+    with pytest.raises(LogEntryError, match="inclusion proof fails: .* leads to root .*, not the expected"):
         case.verify(bundle=case.rewrite(alter_root))
 
     def drop_checkpoint(document: dict[str, Any]) -> None:
@@ -1095,14 +1095,14 @@ def test_log_key_validity_is_a_closed_interval(tmp_path: Path) -> None:
 
 def test_inclusion_proof_index_outside_tree(tmp_path: Path) -> None:
     case = make_key_bundle(tmp_path, entry=("hashedrekord", "0.0.2"))
-    with pytest.raises(LogEntryError, match="outside its tree of size"):
+    with pytest.raises(LogEntryError, match="leaf index 7 is outside a tree of size"):
         case.verify(bundle=case.rewrite(_set([*ENTRY, "inclusionProof", "logIndex"], "7")))
 
 
 def test_inclusion_proof_with_extra_hash(tmp_path: Path) -> None:
     case = make_key_bundle(tmp_path, entry=("hashedrekord", "0.0.2"))
     hashes_ = case.document["verificationMaterial"]["tlogEntries"][0]["inclusionProof"]["hashes"]
-    with pytest.raises(LogEntryError, match="more hashes than its tree needs"):
+    with pytest.raises(LogEntryError, match="inclusion proof fails: .*too long"):
         case.verify(bundle=case.rewrite(_set([*ENTRY, "inclusionProof", "hashes"], [*hashes_, hashes_[0]])))
 
 

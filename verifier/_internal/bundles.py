@@ -54,19 +54,21 @@ from sigstore.verify import Verifier
 from sigstore.verify.policy import Identity
 from sigstore_models.common.v1 import HashAlgorithm
 
-from kvgraft.schemas._internal.digests import Sha256Digest, parse_sha256
-from kvgraft.schemas._internal.errors import InvalidDigestError
+from kvgraft.schemas import InvalidDigestError, Sha256Digest, parse_sha256
 
 from .errors import (
     BadSignatureError,
     DigestMismatchError,
     IdentityMismatchError,
     LogEntryError,
+    LogProofError,
     MalformedInputError,
     UnsupportedPayloadTypeError,
     UntrustedRootError,
     VerificationError,
 )
+from .files import read_input
+from .tlog import hash_leaf, verify_inclusion
 
 __all__ = [
     "CertificateIdentity",
@@ -162,11 +164,11 @@ def verify_bundle(
     Returns what was verified; raises a ``VerificationError`` subclass naming the first check
     that failed. Never touches the network.
     """
-    raw = _read_file(bundle, "bundle")
+    raw = read_input(bundle, "bundle")
     parts = _parse_bundle(_parse_json(raw, f"bundle {bundle}"))
     target = _resolve_artifact(artifact)
     root_path = trusted_root if trusted_root is not None else shipped_trusted_root(staging=staging)
-    root_document = _parse_json(_read_file(root_path, "trusted root"), f"trusted root {root_path}")
+    root_document = _parse_json(read_input(root_path, "trusted root"), f"trusted root {root_path}")
     logs = _trusted_logs(root_document, root_path)
 
     if isinstance(policy, CertificateIdentity):
@@ -186,15 +188,6 @@ def verify_bundle(
 # --------------------------------------------------------------------------------------------
 # Reading inputs
 # --------------------------------------------------------------------------------------------
-
-
-def _read_file(path: Path, what: str) -> bytes:
-    if path.is_dir():
-        raise MalformedInputError(f"the {what} {path} is a directory, not a file")
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise MalformedInputError(f"cannot read the {what} {path}: {e.strerror or e}", hint="check the path") from e
 
 
 def _parse_json(raw: bytes, what: str) -> dict[str, object]:
@@ -235,7 +228,7 @@ class _Artifact:
                 f"{why} needs the artifact itself, not its digest",
                 hint="pass the artifact file instead of its digest",
             )
-        return _read_file(self.path, "artifact")
+        return read_input(self.path, "artifact")
 
 
 def _resolve_artifact(artifact: Path | Sha256Digest) -> _Artifact:
@@ -748,33 +741,12 @@ def _verify_log_entry(
     _check_entry_body(entry, parts, artifact, signer)
 
 
-def _hash_children(left: bytes, right: bytes) -> bytes:
-    return hashlib.sha256(b"\x01" + left + right).digest()
-
-
 def _verify_inclusion(entry: _LogEntry, proof: _InclusionProof) -> None:
     """RFC 9162 section 2.1.3.2: the audit path must hash the entry's leaf up to the root."""
-    index, size = proof.log_index, proof.tree_size
-    if index >= size:
-        raise LogEntryError(f"the inclusion proof's index {index} is outside its tree of size {size}")
-    fn, sn = index, size - 1
-    node = hashlib.sha256(b"\x00" + entry.body).digest()
-    for sibling in proof.hashes:
-        if sn == 0:
-            raise LogEntryError("the inclusion proof has more hashes than its tree needs")
-        if fn & 1 or fn == sn:
-            node = _hash_children(sibling, node)
-            while not fn & 1 and fn != 0:
-                fn, sn = fn >> 1, sn >> 1
-        else:
-            node = _hash_children(node, sibling)
-        fn, sn = fn >> 1, sn >> 1
-    if sn != 0:
-        raise LogEntryError("the inclusion proof has fewer hashes than its tree needs")
-    if node != proof.root_hash:
-        raise LogEntryError(
-            "the inclusion proof does not hash up to its root hash: the entry is not in the tree the log signed"
-        )
+    try:
+        verify_inclusion(hash_leaf(entry.body), proof.log_index, proof.tree_size, proof.hashes, proof.root_hash)
+    except LogProofError as e:
+        raise LogEntryError(f"the bundle's inclusion proof fails: {e.message}") from e
 
 
 _SIGNATURE_LINE = re.compile("\u2014 (\\S+) (\\S+)")

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvgraft.schemas import DocumentError, parse_json
 
 from .errors import KeyFileError
+from .files import read_input
 
 KeyId = NewType("KeyId", str)
 
@@ -48,18 +49,8 @@ def generate_private_key() -> Ed25519PrivateKey:
 
 
 def read_limited(path: Path, limit: int, what: str) -> bytes:
-    """Read a small file whole, refusing directories, missing files and oversize files."""
-    try:
-        if path.is_dir():
-            raise KeyFileError(f"{what} {path} is a directory, not a file")
-        size = path.stat().st_size
-        if size > limit:
-            raise KeyFileError(f"{what} {path} is {size} bytes, more than the {limit} a {what} can be")
-        return path.read_bytes()
-    except FileNotFoundError as e:
-        raise KeyFileError(f"{what} {path} does not exist") from e
-    except OSError as e:
-        raise KeyFileError(f"cannot read {what} {path}: {e.strerror}") from e
+    """Read a small key or trust file whole; failures are ``KeyFileError``."""
+    return read_input(path, what, limit=limit, error=KeyFileError)
 
 
 def write_atomic(path: Path, data: bytes, mode: int) -> None:

@@ -41,6 +41,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from kvgraft.schemas import DocumentError, parse_json
 
 from .errors import LogProofError, MalformedInputError, VerificationError
+from .files import read_input
 from .keys import load_public_key
 from .tlog import (
     HASH_SIZE,
@@ -75,20 +76,6 @@ def consistency_proof_document(old_size: int, new_size: int, hashes: list[bytes]
     return {"old_size": old_size, "new_size": new_size, "hashes": [h.hex() for h in hashes]}
 
 
-def _read_file(path: Path, limit: int, what: str) -> bytes:
-    try:
-        if path.is_dir():
-            raise MalformedInputError(f"{what} {path} is a directory, not a file")
-        size = path.stat().st_size
-        if size > limit:
-            raise MalformedInputError(f"{what} {path} is {size} bytes, more than the {limit} a {what} can be")
-        return path.read_bytes()
-    except FileNotFoundError as e:
-        raise MalformedInputError(f"{what} {path} does not exist") from e
-    except OSError as e:
-        raise MalformedInputError(f"cannot read {what} {path}: {e.strerror}") from e
-
-
 def _entry_leaf_hash(path: Path) -> bytes:
     # Streamed: an entry can be large, and its leaf hash needs no more than one pass.
     h = hashlib.sha256(b"\x00")
@@ -111,7 +98,7 @@ def _entry_leaf_hash(path: Path) -> bytes:
 def _proof_object(path: Path, kind: str, keys: tuple[str, ...]) -> dict[str, Any]:
     what = f"{kind} proof"
     try:
-        doc = parse_json(_read_file(path, _MAX_PROOF_FILE, what), what=f"{what} {path}")
+        doc = parse_json(read_input(path, what, limit=_MAX_PROOF_FILE), what=f"{what} {path}")
     except DocumentError as e:
         raise MalformedInputError(str(e)) from e
     if not isinstance(doc, dict):
@@ -149,7 +136,7 @@ def _proof_object(path: Path, kind: str, keys: tuple[str, ...]) -> dict[str, Any
 
 
 def _read_checkpoint(path: Path, what: str) -> bytes:
-    return _read_file(path, MAX_NOTE_BYTES, what)
+    return read_input(path, what, limit=MAX_NOTE_BYTES)
 
 
 @contextlib.contextmanager
