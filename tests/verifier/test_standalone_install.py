@@ -73,3 +73,16 @@ def test_kvgraft_verify_runs_the_dsse_vectors_there(verifier_env: Path, tmp_path
         assert "Traceback" not in proc.stderr
         results[vector["id"]] = "accept" if proc.returncode == 0 else "reject"
     assert results == {v["id"]: v["expect"] for v in doc["vectors"]}
+
+
+@pytest.mark.slow
+def test_kvgraft_verify_checks_a_sigstore_bundle_there(verifier_env: Path, tmp_path: Path, shared: Path) -> None:
+    vectors = shared / "vectors" / "sigstore"
+    base = [str(verifier_env / "kvgraft-verify"), "verify-bundle", "--bundle", str(vectors / "bundle_v3_github.whl.sigstore"),
+            "--certificate-identity", "https://github.com/trailofbits/rfc8785.py/.github/workflows/release.yml@refs/tags/v0.1.2",
+            "--certificate-oidc-issuer", "https://token.actions.githubusercontent.com"]
+    ok = _run(verifier_env, *base, str(vectors / "bundle_v3_github.whl"), cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    (tmp_path / "changed.whl").write_bytes(b"x" + (vectors / "bundle_v3_github.whl").read_bytes()[1:])
+    bad = _run(verifier_env, *base, str(tmp_path / "changed.whl"), cwd=tmp_path)
+    assert bad.returncode == 1 and len(bad.stderr.splitlines()) == 1 and "Traceback" not in bad.stderr
