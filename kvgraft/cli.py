@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvgraft.registry.cli import add_registry_commands
 from kvgraft.schemas import (
     SchemaError,
     Statement,
@@ -316,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--passphrase-env", metavar="VAR")
     ex.add_argument("--profile", default="cpu-fp32")
     ex.set_defaults(run=_cmd_exactness)
+
+    add_registry_commands(sub)
     return parser
 
 

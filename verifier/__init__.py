@@ -62,9 +62,23 @@ from ._internal.keys import (
     write_atomic,
 )
 from ._internal.subjects import verify_subjects
+from ._internal.tlog import (
+    Checkpoint,
+    MerkleTree,
+    format_vkey,
+    hash_leaf,
+    merkle_root,
+    parse_checkpoint,
+    parse_vkey,
+    sign_checkpoint,
+    verify_checkpoint,
+    verify_consistency,
+    verify_inclusion,
+)
+from ._internal.tlog_cli import consistency_proof_document, inclusion_proof_document
 
 __all__ = [
-    "BadSignatureError", "ClaimMismatchError", "DigestMismatchError", "IdentityMismatchError", "KeyFileError", "KeyId", "LogEntryError", "LogProofError",
+    "BadSignatureError", "Checkpoint", "MerkleTree", "consistency_proof_document", "format_vkey", "hash_leaf", "inclusion_proof_document", "merkle_root", "parse_checkpoint", "parse_vkey", "sign_checkpoint", "verify_checkpoint", "verify_consistency", "verify_inclusion", "ClaimMismatchError", "DigestMismatchError", "IdentityMismatchError", "KeyFileError", "KeyId", "LogEntryError", "LogProofError",
     "MalformedInputError", "SigningKey", "SubjectMismatchError", "ThresholdNotMetError",
     "TrustedKey", "TrustedKeys", "UnknownKeyError", "UnsupportedPayloadTypeError",
     "UntrustedRootError", "VerificationError", "VerifiedEnvelope", "b64decode_any",

@@ -1,0 +1,1 @@
+"""The registry's internals; the public surface is ``kvgraft.registry``."""

@@ -1,0 +1,520 @@
+"""The Litestar app: routes, RFC 9457 problem responses, and the lifespan that owns the registry.
+
+Handlers are thin: they parse the request, run the blocking registry call in a worker thread
+(DuckDB and file I/O never run on the event loop), and shape the response. Blob bodies stream
+both ways in fixed-size chunks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import hmac
+import http
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import anyio
+import anyio.to_thread
+from litestar import Litestar, Request, Response, get, head, post, put
+from litestar.connection import ASGIConnection
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.handlers.base import BaseRouteHandler
+from litestar.openapi import OpenAPIConfig
+from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
+from litestar.response import Stream
+
+import kvgraft
+
+from .accounts import TokenInfo
+from .blobs import parse_digest_ref
+from .datadir import AdminHandle, remove_admin_handle, write_admin_handle
+from .errors import AdminAuthError, BadRequestError, BlobNotFoundError, PayloadTooLargeError, RegistryError
+from .ranges import if_range_allows, none_match, parse_range
+from .service import Page, Registry
+from .settings import RegistrySettings
+
+logger = logging.getLogger("kvgraft.registry")
+
+PROBLEM_JSON = "application/problem+json"
+#: Admin secrets start with this, so one is never mistaken for a publisher token.
+ADMIN_SECRET_PREFIX = "kvgadm_"
+_IMMUTABLE = "public, max-age=31536000, immutable"
+
+T = TypeVar("T")
+
+
+# --- problems ----------------------------------------------------------------------------------
+
+
+def problem(
+    status: int,
+    title: str,
+    detail: str,
+    *,
+    type_: str = "about:blank",
+    instance: str | None = None,
+    hint: str | None = None,
+    extra: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response[dict[str, Any]]:
+    """An RFC 9457 problem response."""
+    body: dict[str, Any] = {"type": type_, "title": title, "status": status, "detail": detail}
+    if instance is not None:
+        body["instance"] = instance
+    if hint is not None:
+        body["hint"] = hint
+    for key, value in (extra or {}).items():
+        body.setdefault(key, value)
+    return Response(content=body, status_code=status, media_type=PROBLEM_JSON, headers=headers or {})
+
+
+def _registry_error(request: Request[Any, Any, Any], exc: RegistryError) -> Response[dict[str, Any]]:
+    if exc.status_code >= 500:
+        logger.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
+    return problem(
+        exc.status_code,
+        exc.title,
+        exc.message,
+        type_=exc.problem_type,
+        instance=request.url.path,
+        hint=exc.hint,
+        extra=exc.extra,
+        headers=exc.headers(),
+    )
+
+
+def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[dict[str, Any]]:
+    status = exc.status_code
+    try:
+        title = http.HTTPStatus(status).phrase
+    except ValueError:
+        title = "Error"
+    detail = exc.detail or title
+    extra: dict[str, Any] = {}
+    if isinstance(exc, ValidationException) and isinstance(exc.extra, list) and exc.extra:
+        # Litestar's detail names only the route; say which parameter was wrong.
+        parts = []
+        for item in exc.extra:
+            if isinstance(item, dict):
+                where = " ".join(str(getattr(item[k], "value", item[k])) for k in ("source", "key") if item.get(k))
+                parts.append(f"{where}: {item.get('message', 'invalid')}" if where else str(item.get("message", "invalid")))
+        if parts:
+            detail = "invalid request: " + "; ".join(parts)
+        extra["errors"] = exc.extra
+    hint = None
+    if status in (404, 405) and detail == title:
+        detail = f"{request.method} {request.url.path} is not part of this registry's API"
+        hint = "the API is described at /schema (OpenAPI) and in docs/registry.md"
+    if status >= 500:
+        logger.error("%s %s failed: %s", request.method, request.url.path, detail)
+    return problem(status, title, detail, instance=request.url.path, hint=hint, extra=extra, headers=dict(exc.headers or {}))
+
+
+def _internal_error(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
+    logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return problem(
+        500,
+        "Internal Server Error",
+        "the registry failed to handle this request",
+        instance=request.url.path,
+        hint="retry; if it persists, report it to the registry's operator (the server log has the details)",
+    )
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def _registry(connection: ASGIConnection[Any, Any, Any, Any]) -> Registry:
+    registry: Registry = connection.app.state.registry
+    return registry
+
+
+async def _run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+
+async def _authenticate(request: Request[Any, Any, Any]) -> TokenInfo:
+    return await _run(_registry(request).authenticate, request.headers.get("authorization"))
+
+
+async def read_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """Reads are public unless ``reads_require_token`` is set."""
+    registry = _registry(connection)
+    if registry.settings.reads_require_token:
+        await _run(registry.authenticate, connection.headers.get("authorization"))
+
+
+def _limit(registry: Registry, limit: int | None) -> int:
+    settings = registry.settings
+    if limit is None:
+        return settings.default_page_limit
+    if not 1 <= limit <= settings.max_page_limit:
+        raise BadRequestError(f"limit {limit} must be between 1 and {settings.max_page_limit}")
+    return limit
+
+
+def _page(page: Page, **extra: Any) -> dict[str, Any]:
+    return {"items": page.items, "next_cursor": page.next_cursor, **extra}
+
+
+def _blob_hex(digest: str) -> str:
+    # The path parameter keeps its leading '/', and may hold further '/' or '..': all refused.
+    return parse_digest_ref(digest[1:] if digest.startswith("/") else digest, what="blob digest")
+
+
+async def _read_limited(request: Request[Any, Any, Any], limit: int, what: str) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"the {what} is {declared} bytes; this registry accepts at most {limit}", extra={"limit": limit})
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"the {what} is larger than this registry's limit of {limit} bytes", extra={"limit": limit})
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# --- blobs -------------------------------------------------------------------------------------
+
+
+@put("/v1/blobs/{digest:path}", request_max_body_size=None, status_code=201, summary="Upload a blob")
+async def put_blob(request: Request[Any, Any, Any], digest: FromPath[str]) -> Response[dict[str, Any]]:
+    """Upload the bytes whose sha256 is ``digest``, streamed; 201 when new, 200 when already stored.
+
+    Needs a bearer token. Bytes that hash to another digest are refused (400) and not kept.
+    """
+    registry = _registry(request)
+    await _authenticate(request)
+    hex_digest = _blob_hex(digest)
+    limit = registry.settings.max_blob_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"the blob is {declared} bytes; this registry accepts at most {limit}", extra={"limit": limit})
+    created = await registry.blobs.receive(hex_digest, request.stream(), max_bytes=limit)
+    size = await _run(registry.blobs.size, hex_digest)
+    ref = "sha256:" + hex_digest
+    return Response(
+        content={"digest": ref, "size": size, "created": created},
+        status_code=201 if created else 200,
+        headers={"Location": f"/v1/blobs/{ref}", "ETag": f'"{ref}"'},
+    )
+
+
+def _blob_headers(hex_digest: str) -> dict[str, str]:
+    return {"ETag": f'"sha256:{hex_digest}"', "Accept-Ranges": "bytes", "Cache-Control": _IMMUTABLE}
+
+
+async def _blob_size(registry: Registry, hex_digest: str) -> int:
+    size = await _run(registry.blobs.size, hex_digest)
+    if size is None:
+        raise BlobNotFoundError(f"no blob sha256:{hex_digest} is stored here")
+    return size
+
+
+@head("/v1/blobs/{digest:path}", guards=[read_guard], summary="Blob size and ETag")
+async def head_blob(request: Request[Any, Any, Any], digest: FromPath[str]) -> Response[None]:
+    """The headers GET would send: Content-Length, ETag, Accept-Ranges (404 when absent)."""
+    registry = _registry(request)
+    hex_digest = _blob_hex(digest)
+    size = await _blob_size(registry, hex_digest)
+    headers = _blob_headers(hex_digest)
+    if none_match(request.headers.get("if-none-match"), headers["ETag"]):
+        return Response(content=None, status_code=304, headers=headers)
+    return Response(content=b"", headers={**headers, "Content-Length": str(size)}, media_type="application/octet-stream")
+
+
+@get("/v1/blobs/{digest:path}", guards=[read_guard], summary="Download a blob")
+async def get_blob(request: Request[Any, Any, Any], digest: FromPath[str]) -> Response[Any]:
+    """Stream a blob. Honours If-None-Match (304), Range (206, several ranges as multipart/byteranges,
+    416 when none overlaps) and If-Range."""
+    registry = _registry(request)
+    hex_digest = _blob_hex(digest)
+    size = await _blob_size(registry, hex_digest)
+    headers = _blob_headers(hex_digest)
+    etag = headers["ETag"]
+    if none_match(request.headers.get("if-none-match"), etag):
+        return Response(content=None, status_code=304, headers=headers)
+    ranges = parse_range(request.headers.get("range"), size) if if_range_allows(request.headers.get("if-range"), etag) else None
+    blobs = registry.blobs
+    if ranges is None:
+        return Stream(
+            blobs.read(hex_digest, 0, size),
+            headers={**headers, "Content-Length": str(size)},
+            media_type="application/octet-stream",
+        )
+    if len(ranges) == 1:
+        first, last = ranges[0]
+        return Stream(
+            blobs.read(hex_digest, first, last + 1),
+            status_code=206,
+            headers={**headers, "Content-Length": str(last - first + 1), "Content-Range": f"bytes {first}-{last}/{size}"},
+            media_type="application/octet-stream",
+        )
+    boundary = secrets.token_hex(16)
+    heads = [
+        (b"" if i == 0 else b"\r\n")
+        + f"--{boundary}\r\nContent-Type: application/octet-stream\r\nContent-Range: bytes {a}-{b}/{size}\r\n\r\n".encode("ascii")
+        for i, (a, b) in enumerate(ranges)
+    ]
+    tail = f"\r\n--{boundary}--\r\n".encode("ascii")
+    length = sum(len(h) for h in heads) + sum(b - a + 1 for a, b in ranges) + len(tail)
+
+    async def parts() -> AsyncIterator[bytes]:
+        for part_head, (a, b) in zip(heads, ranges, strict=True):
+            yield part_head
+            async for chunk in blobs.read(hex_digest, a, b + 1):
+                yield chunk
+        yield tail
+
+    return Stream(
+        parts(),
+        status_code=206,
+        headers={**headers, "Content-Length": str(length)},
+        media_type=f"multipart/byteranges; boundary={boundary}",
+    )
+
+
+# --- entries -----------------------------------------------------------------------------------
+
+
+@post("/v1/entries", request_max_body_size=None, status_code=201, summary="Publish a signed envelope")
+async def post_entry(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+    """Publish a DSSE envelope (the request body, stored byte for byte as the log leaf's data).
+
+    Needs a bearer token bound to a key that signed it. 201 with the entry, its inclusion
+    proof and the new checkpoint; 200 with the same when these exact bytes are already logged.
+    """
+    registry = _registry(request)
+    token = await _authenticate(request)
+    body = await _read_limited(request, registry.settings.max_envelope_bytes, "envelope")
+    published = await _run(registry.publish, body, token)
+    index = published.document["entry"]["log_index"]
+    return Response(
+        content=published.document,
+        status_code=201 if published.created else 200,
+        headers={"Location": f"/v1/entries/{index}"},
+    )
+
+
+@get("/v1/entries", guards=[read_guard], summary="Entries in log order")
+async def list_entries(
+    request: Request[Any, Any, Any], cursor: FromQuery[str | None] = None, limit: FromQuery[int | None] = None
+) -> dict[str, Any]:
+    """Every entry's metadata in log order, paginated (for mirrors and auditors)."""
+    registry = _registry(request)
+    page = await _run(registry.list_entries, cursor, _limit(registry, limit))
+    return _page(page)
+
+
+@get("/v1/entries/{ref:str}", guards=[read_guard], summary="One entry")
+async def get_entry(request: Request[Any, Any, Any], ref: FromPath[str]) -> dict[str, Any]:
+    """An entry by log index or envelope digest: metadata, inclusion proof and the latest checkpoint."""
+    return await _run(_registry(request).entry, ref)
+
+
+@get("/v1/entries/{ref:str}/envelope", guards=[read_guard], summary="An entry's envelope bytes")
+async def get_envelope(request: Request[Any, Any, Any], ref: FromPath[str]) -> Response[bytes]:
+    """The envelope exactly as posted: the bytes the log leaf hashes."""
+    data, digest = await _run(_registry(request).envelope, ref)
+    etag = f'"{digest}"'
+    headers = {"ETag": etag, "Cache-Control": _IMMUTABLE}
+    if none_match(request.headers.get("if-none-match"), etag):
+        return Response(content=b"", status_code=304, headers=headers)
+    return Response(content=data, media_type="application/json", headers=headers)
+
+
+# --- the log -----------------------------------------------------------------------------------
+
+
+@get("/v1/log/checkpoint", guards=[read_guard], summary="The latest signed checkpoint")
+async def get_checkpoint(request: Request[Any, Any, Any], tree_size: FromQuery[int | None] = None) -> Response[bytes]:
+    """The latest (or ``tree_size``'s) C2SP signed checkpoint note, as text."""
+    note = await _run(_registry(request).checkpoint, tree_size)
+    return Response(content=note, media_type="text/plain", headers={"Cache-Control": "no-cache"})
+
+
+@get("/v1/log/key", guards=[read_guard], summary="The log's public key and origin")
+async def get_log_key(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    """The registry's Ed25519 public key (PEM), key id, note verifier key and origin."""
+    return await _run(_registry(request).log_key)
+
+
+@get("/v1/log/proof/inclusion", guards=[read_guard], summary="Inclusion proof")
+async def get_inclusion(request: Request[Any, Any, Any], index: FromQuery[int], tree_size: FromQuery[int | None] = None) -> dict[str, Any]:
+    """``{"log_index", "tree_size", "hashes"}`` for entry ``index`` (tree size default: latest)."""
+    return await _run(_registry(request).inclusion_proof, index, tree_size)
+
+
+@get("/v1/log/proof/consistency", guards=[read_guard], summary="Consistency proof")
+async def get_consistency(request: Request[Any, Any, Any], old: FromQuery[int], new: FromQuery[int | None] = None) -> dict[str, Any]:
+    """``{"old_size", "new_size", "hashes"}`` between two tree sizes (new default: latest)."""
+    return await _run(_registry(request).consistency_proof, old, new)
+
+
+# --- artifacts, records, publishers ------------------------------------------------------------
+
+
+@get("/v1/artifacts", guards=[read_guard], summary="List artifacts")
+async def list_artifacts(
+    request: Request[Any, Any, Any],
+    model: FromQuery[str | None] = None,
+    profile: FromQuery[str | None] = None,
+    parent: FromQuery[str | None] = None,
+    publisher: FromQuery[str | None] = None,
+    q: FromQuery[str | None] = None,
+    cursor: FromQuery[str | None] = None,
+    limit: FromQuery[int | None] = None,
+) -> dict[str, Any]:
+    """KV artifacts in log order, filtered by model name, profile name, parent digest (``none``
+    for roots), publisher and words of the source text (``q``, all must occur), paginated."""
+    registry = _registry(request)
+    page = await _run(
+        registry.list_artifacts,
+        model=model, profile=profile, parent=parent, publisher=publisher, q=q, cursor=cursor, limit=_limit(registry, limit),
+    )
+    return _page(page)
+
+
+@get("/v1/artifacts/{digest:str}", guards=[read_guard], summary="One artifact")
+async def get_artifact(request: Request[Any, Any, Any], digest: FromPath[str]) -> dict[str, Any]:
+    """An artifact by its tensors' digest: statement, envelope, entry, lineage, inclusion proof, checkpoint."""
+    parse_digest_ref(digest, what="artifact digest")
+    return await _run(_registry(request).artifact, digest)
+
+
+@get("/v1/records", guards=[read_guard], summary="List records")
+async def list_records(
+    request: Request[Any, Any, Any],
+    artifact: FromQuery[str | None] = None,
+    kind: Annotated[str | None, QueryParameter(name="type")] = None,
+    publisher: FromQuery[str | None] = None,
+    cursor: FromQuery[str | None] = None,
+    limit: FromQuery[int | None] = None,
+) -> dict[str, Any]:
+    """Records (exactness, evaluation, pre-registration, replay) in log order; ``artifact`` keeps
+    those that name the artifact (as subject, sample prefix, library entry or parent)."""
+    registry = _registry(request)
+    page = await _run(
+        registry.list_records, artifact=artifact, kind=kind, publisher=publisher, cursor=cursor, limit=_limit(registry, limit)
+    )
+    return _page(page)
+
+
+@get("/v1/publishers", guards=[read_guard], summary="Publishers and their keys")
+async def list_publishers(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    """Every publisher with its registered key ids and public keys."""
+    return {"publishers": await _run(_registry(request).publishers)}
+
+
+# --- admin (local operator only: authenticated by the secret in DATA/admin.json) ---------------
+
+
+def _admin(request: Request[Any, Any, Any]) -> Registry:
+    header = request.headers.get("authorization") or ""
+    scheme, _, secret = header.partition(" ")
+    expected: bytes = request.app.state.admin_secret_hash
+    given = hashlib.sha256(secret.strip().encode("utf-8")).digest()
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given, expected):
+        raise AdminAuthError("this admin request does not carry the running server's admin secret")
+    return _registry(request)
+
+
+def _field(data: dict[str, Any], name: str, kind: type) -> Any:
+    value = data.get(name)
+    if not isinstance(value, kind):
+        raise BadRequestError(f"the request body needs {name!r} as a {kind.__name__}")
+    return value
+
+
+@get("/v1/admin/keys", include_in_schema=False)
+async def admin_list_keys(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    """Every registered key."""
+    return {"keys": await _run(_admin(request).accounts.list_keys)}
+
+
+@post("/v1/admin/keys", include_in_schema=False)
+async def admin_add_key(request: Request[Any, Any, Any], data: JSONBody[dict[str, Any]]) -> Response[dict[str, Any]]:
+    """Register a publisher key: ``{"publisher", "public_key_pem"}``."""
+    registry = _admin(request)
+    result = await _run(registry.accounts.add_key, _field(data, "publisher", str), _field(data, "public_key_pem", str))
+    return Response(content=result, status_code=201 if result["created"] else 200)
+
+
+@get("/v1/admin/tokens", include_in_schema=False)
+async def admin_list_tokens(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    """Every token (never the token itself)."""
+    return {"tokens": await _run(_admin(request).accounts.list_tokens)}
+
+
+@post("/v1/admin/tokens", include_in_schema=False)
+async def admin_create_token(request: Request[Any, Any, Any], data: JSONBody[dict[str, Any]]) -> Response[dict[str, Any]]:
+    """Make a token: ``{"publisher", "public_keys_pem": [...]}``; the response holds it, once."""
+    registry = _admin(request)
+    pems = _field(data, "public_keys_pem", list)
+    if not all(isinstance(p, str) for p in pems):
+        raise BadRequestError("public_keys_pem must be a list of PEM strings")
+    result = await _run(registry.accounts.create_token, _field(data, "publisher", str), pems)
+    return Response(content=result, status_code=201)
+
+
+@post("/v1/admin/tokens/{token_id:str}/revoke", include_in_schema=False, status_code=200)
+async def admin_revoke_token(request: Request[Any, Any, Any], token_id: FromPath[str]) -> dict[str, Any]:
+    """Revoke a token; it is refused from the next request on."""
+    return await _run(_admin(request).accounts.revoke_token, token_id)
+
+
+ROUTES = [
+    put_blob, head_blob, get_blob,
+    post_entry, list_entries, get_entry, get_envelope,
+    get_checkpoint, get_log_key, get_inclusion, get_consistency,
+    list_artifacts, get_artifact, list_records, list_publishers,
+    admin_list_keys, admin_add_key, admin_list_tokens, admin_create_token, admin_revoke_token,
+]
+
+
+def create_app(data_dir: Path, settings: RegistrySettings | None = None) -> Litestar:
+    """The registry app serving ``data_dir``; its lifespan opens and closes the registry.
+
+    On start it opens the DuckDB file (applying migrations), the blob store and the signing
+    key, rebuilds and checks the log, and writes ``admin.json`` (0600) with a fresh admin
+    secret; on shutdown it removes ``admin.json`` and closes everything.
+    """
+    settings = settings if settings is not None else RegistrySettings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        stack = contextlib.ExitStack()
+        registry = await anyio.to_thread.run_sync(stack.enter_context, Registry.open(data_dir, settings))
+        secret = ADMIN_SECRET_PREFIX + secrets.token_urlsafe(32)
+        try:
+            await _run(write_admin_handle, registry.data, AdminHandle(url=settings.admin_url, secret=secret, pid=os.getpid()))
+            app.state.registry = registry
+            app.state.admin_secret_hash = hashlib.sha256(secret.encode("utf-8")).digest()
+            yield
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _run(remove_admin_handle, registry.data, secret)
+                await anyio.to_thread.run_sync(stack.close)
+            logger.info("registry %s closed", data_dir)
+
+    return Litestar(
+        route_handlers=ROUTES,
+        lifespan=[lifespan],
+        exception_handlers={RegistryError: _registry_error, HTTPException: _http_error, Exception: _internal_error},
+        # The app logs through "kvgraft.registry"; configuring the process's logging is the
+        # caller's business (kvgraft serve does it), not the app's.
+        logging_config=None,
+        openapi_config=OpenAPIConfig(
+            title="kvgraft registry",
+            version=kvgraft.__version__,
+            description="Signed KV artifacts and records, content-addressed blobs, and a transparency log.",
+        ),
+    )

@@ -1,0 +1,187 @@
+"""The data directory: where the database, blobs, registry key and admin handle live.
+
+    DATA/registry.duckdb        metadata, the log's leaves and checkpoints (DuckDB)
+    DATA/registry-key.pem       the registry's Ed25519 checkpoint-signing key (0600)
+    DATA/registry-key.pub.pem   its public key, for 'kvgraft-verify log --registry-key'
+    DATA/blobs/sha256/<hex>     content-addressed blobs
+    DATA/blobs/tmp/             uploads in progress (emptied at start)
+    DATA/admin.json             while a server runs: its URL and admin secret (0600)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from kvgraft.schemas import DocumentError, parse_json
+from kvgraft.verifier import (
+    KeyFileError,
+    generate_private_key,
+    keyid_of,
+    load_private_key,
+    save_private_key,
+    save_public_key,
+    write_atomic,
+)
+
+from .db import Database
+from .errors import ConfigError, DataDirError
+
+KEY_FILE = "registry-key.pem"
+PUBLIC_KEY_FILE = "registry-key.pub.pem"
+ADMIN_FILE = "admin.json"
+
+# c2sp.org/signed-note key names: no spaces, '+' or control characters. Kept to a sober subset.
+_ORIGIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@-]{0,254}", re.ASCII)
+
+
+@dataclass(frozen=True)
+class DataDir:
+    """The paths of a registry data directory."""
+
+    root: Path
+
+    @property
+    def key_path(self) -> Path:
+        """The registry's private key (PEM, 0600)."""
+        return self.root / KEY_FILE
+
+    @property
+    def public_key_path(self) -> Path:
+        """The registry's public key (PEM)."""
+        return self.root / PUBLIC_KEY_FILE
+
+    @property
+    def blobs(self) -> Path:
+        """The blob store's root."""
+        return self.root / "blobs"
+
+    @property
+    def admin_file(self) -> Path:
+        """The running server's admin handle."""
+        return self.root / ADMIN_FILE
+
+
+def prepare(root: Path) -> DataDir:
+    """Create the data directory (0700) if needed and return its paths."""
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataDirError(f"cannot create the data directory {root}: {e.strerror}") from e
+    if not root.is_dir():
+        raise DataDirError(f"{root} is not a directory")
+    return DataDir(root)
+
+
+def ensure_registry_key(data: DataDir) -> Ed25519PublicKey:
+    """Create the registry's signing key on first use; return its public key.
+
+    Refuses a key file that others may read: whoever reads it can forge checkpoints.
+    """
+    path = data.key_path
+    if not path.exists():
+        key = generate_private_key()
+        save_private_key(key, path)
+        save_public_key(key.public_key(), data.public_key_path)
+        return key.public_key()
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise DataDirError(
+            f"the registry key {path} has mode {mode:04o}: other users may read it",
+            hint=f"chmod 600 {path}",
+        )
+    try:
+        public = load_private_key(path).public_key()
+    except KeyFileError as e:
+        raise DataDirError(f"the registry key {path} cannot be loaded: {e.message}", hint=e.hint) from e
+    if not data.public_key_path.exists():
+        save_public_key(public, data.public_key_path)
+    return public
+
+
+def check_origin(origin: str) -> str:
+    """Return ``origin`` if it can name a log (and its checkpoint key), else raise ``ConfigError``."""
+    if not _ORIGIN.fullmatch(origin):
+        raise ConfigError(
+            f"the log origin {origin!r} is not acceptable",
+            hint="use a schema-less URL such as registry.example.com/kvgraft: letters, digits and . _ : / @ -, no spaces or '+'",
+        )
+    return origin
+
+
+def resolve_origin(db: Database, configured: str | None, public_key: Ed25519PublicKey) -> str:
+    """The log's origin: persisted at first start, never changed afterwards."""
+    stored = db.get_meta("origin")
+    if stored is not None:
+        if configured is not None and configured != stored:
+            raise ConfigError(
+                f"this registry's log is named {stored!r}; it cannot be renamed to {configured!r}",
+                hint=f"drop --origin, or pass --origin {stored}; a new name needs a new data directory",
+            )
+        return stored
+    origin = check_origin(configured if configured is not None else f"kvgraft-registry/{keyid_of(public_key)[:16]}")
+    db.set_meta("origin", origin)
+    db.set_meta("registry_keyid", keyid_of(public_key))
+    return origin
+
+
+def check_registry_key(db: Database, public_key: Ed25519PublicKey) -> None:
+    """Refuse a registry key other than the one the log was started with."""
+    stored = db.get_meta("registry_keyid")
+    if stored is not None and stored != keyid_of(public_key):
+        raise DataDirError(
+            f"the registry key {keyid_of(public_key)} is not the key this log's checkpoints are signed with ({stored})",
+            hint="restore the original registry-key.pem; a log cannot change its key",
+        )
+
+
+@dataclass(frozen=True)
+class AdminHandle:
+    """How an admin command reaches the running server."""
+
+    url: str | None
+    secret: str
+    pid: int
+
+
+def write_admin_handle(data: DataDir, handle: AdminHandle) -> None:
+    """Write ``admin.json`` (0600) for admin commands run beside this server."""
+    doc = {"url": handle.url, "secret": handle.secret, "pid": handle.pid}
+    write_atomic(data.admin_file, (json.dumps(doc, indent=2) + "\n").encode("utf-8"), 0o600)
+
+
+def read_admin_handle(data: DataDir) -> AdminHandle | None:
+    """The running server's admin handle, or None when no server wrote one."""
+    try:
+        raw = data.admin_file.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise DataDirError(f"cannot read {data.admin_file}: {e.strerror}", hint="run the admin command as the registry's user") from e
+    try:
+        doc = parse_json(raw, what=str(data.admin_file))
+    except DocumentError as e:
+        raise DataDirError(f"{data.admin_file} is not valid JSON: {e}", hint="restart the server to rewrite it") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("secret"), str) or not isinstance(doc.get("pid"), int):
+        raise DataDirError(f"{data.admin_file} is not an admin handle", hint="restart the server to rewrite it")
+    url = doc.get("url")
+    return AdminHandle(url=url if isinstance(url, str) else None, secret=doc["secret"], pid=doc["pid"])
+
+
+def remove_admin_handle(data: DataDir, secret: str) -> None:
+    """Remove ``admin.json`` if it is still this server's (a newer server may have replaced it)."""
+    try:
+        current = read_admin_handle(data)
+    except DataDirError:
+        return
+    if current is not None and current.secret == secret:
+        try:
+            os.unlink(data.admin_file)
+        except FileNotFoundError:
+            pass

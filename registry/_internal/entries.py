@@ -1,0 +1,226 @@
+"""Entries: check a posted DSSE envelope for a token, and extract what the registry indexes.
+
+The envelope bytes are the log's leaf data and are stored verbatim; everything here reads
+them without re-serialising, and the payload is parsed only after a signature holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+from kvgraft.schemas import (
+    EVALUATION_PREDICATE,
+    EXACTNESS_PREDICATE,
+    KV_ARTIFACT_PREDICATE,
+    PRE_REGISTRATION_PREDICATE,
+    REPLAY_PREDICATE,
+    STATEMENT_MODELS,
+    Envelope,
+    EvaluationStatement,
+    ExactnessStatement,
+    KvArtifactStatement,
+    ReplayStatement,
+    Statement,
+)
+from kvgraft.verifier import (
+    BadSignatureError,
+    MalformedInputError,
+    ThresholdNotMetError,
+    TrustedKey,
+    TrustedKeys,
+    UnknownKeyError,
+    UnsupportedPayloadTypeError,
+    VerifiedEnvelope,
+    b64decode_any,
+    parse_envelope,
+    verify_envelope,
+    verify_statement_envelope,
+)
+
+from .errors import (
+    BadRequestError,
+    InvalidSignatureError,
+    InvalidStatementError,
+    KeyNotBoundError,
+    MalformedEnvelopeError,
+)
+
+#: The tensors file of a KV artifact (the engine's KV_FILE; the registry does not import the engine).
+KV_FILE = "kv.safetensors"
+
+#: predicateType -> the short kind the API filters and reports by.
+KINDS: dict[str, str] = {
+    KV_ARTIFACT_PREDICATE: "artifact",
+    EXACTNESS_PREDICATE: "exactness",
+    EVALUATION_PREDICATE: "evaluation",
+    PRE_REGISTRATION_PREDICATE: "pre-registration",
+    REPLAY_PREDICATE: "replay",
+}
+RECORD_KINDS = ("exactness", "evaluation", "pre-registration", "replay")
+
+
+def kind_of_filter(value: str) -> str:
+    """The kind named by a ``type`` filter: a kind or a predicate type URI."""
+    if value in KINDS:
+        return KINDS[value]
+    if value in KINDS.values():
+        return value
+    raise BadRequestError(
+        f"unknown record type {value!r}",
+        hint=f"use one of {', '.join(RECORD_KINDS)} (or their predicate type URIs)",
+    )
+
+
+@dataclass(frozen=True)
+class ArtifactFields:
+    """The artifact columns of an entry."""
+
+    digest: str
+    model_name: str
+    model_weights_digest: str
+    model_config_digest: str
+    profile_name: str
+    parent: str | None
+    chain_key: str
+    position_start: int
+    position_end: int
+    source_text: str | None
+    source_text_digest: str
+
+
+@dataclass(frozen=True)
+class IndexedStatement:
+    """What the registry records about a verified statement, besides the envelope."""
+
+    kind: str
+    predicate_type: str
+    subjects: list[tuple[str, str]]
+    refs: list[tuple[str, str]] = field(default_factory=list)
+    #: Blobs that must be stored before the entry is accepted (bare hex).
+    required_blobs: list[str] = field(default_factory=list)
+    artifact: ArtifactFields | None = None
+    #: For a replay: the pre-registration it answers to (entry digest, log index).
+    pre_registration: tuple[str, int] | None = None
+
+
+def decode_envelope(body: bytes) -> Envelope:
+    """Parse the posted bytes as a DSSE envelope and check that its base64 decodes."""
+    if not body:
+        raise MalformedEnvelopeError("the request body is empty; it must be a DSSE envelope (JSON)")
+    try:
+        envelope = parse_envelope(body, source="the posted envelope")
+        b64decode_any(envelope.payload, what="the envelope's payload")
+        for i, sig in enumerate(envelope.signatures):
+            b64decode_any(sig.sig, what=f"the envelope's signature {i}")
+    except MalformedInputError as e:
+        raise MalformedEnvelopeError(e.message) from e
+    return envelope
+
+
+def verify_for_token(
+    envelope: Envelope, bound: list[TrustedKey], registered: dict[str, tuple[TrustedKey, str]]
+) -> tuple[VerifiedEnvelope, Statement]:
+    """Verify ``envelope`` against the keys the token is ``bound`` to; return signers and statement.
+
+    ``registered`` maps every registered key id to (key, publisher); it only explains a
+    failure: a signature by a registered key the token is not bound to is a 403, one that
+    claims a registered key but does not verify is an altered envelope (422).
+    """
+    if bound:
+        try:
+            return verify_statement_envelope(envelope, TrustedKeys(tuple(bound)))
+        except UnsupportedPayloadTypeError as e:
+            raise InvalidStatementError(e.message, hint="post in-toto statements (application/vnd.in-toto+json)") from e
+        except MalformedInputError as e:
+            # Signatures held; the signed payload is not a valid statement.
+            raise InvalidStatementError(e.message) from e
+        except (UnknownKeyError, BadSignatureError, ThresholdNotMetError):
+            pass
+    _explain_signature_failure(envelope, bound, registered)
+
+
+def _explain_signature_failure(
+    envelope: Envelope, bound: list[TrustedKey], registered: dict[str, tuple[TrustedKey, str]]
+) -> NoReturn:
+    bound_ids = {k.keyid for k in bound}
+    others = [k for k, _ in registered.values() if k.keyid not in bound_ids]
+    if others:
+        try:
+            verified = verify_envelope(envelope, TrustedKeys(tuple(others)), threshold=1)
+        except (UnknownKeyError, BadSignatureError, ThresholdNotMetError, UnsupportedPayloadTypeError, MalformedInputError):
+            verified = None
+        if verified is not None:
+            named = ", ".join(f"{k.keyid[:16]}... of publisher {registered[k.keyid][1]!r}" for k in verified.signers)
+            raise KeyNotBoundError(f"the envelope is signed by {named}, and this token is not bound to that key")
+    hints = {s.keyid for s in envelope.signatures if s.keyid}
+    if hints & (bound_ids | set(registered)):
+        raise InvalidSignatureError(
+            "the envelope's signature by a registered key does not verify over its payload: it was altered after signing"
+        )
+    if hints:
+        shown = ", ".join(sorted(h[:16] + "..." for h in hints))
+        raise KeyNotBoundError(
+            f"the envelope is signed by key(s) {shown} that are not registered with this registry",
+            hint="register the public key ('kvgraft key add') and bind a token to it ('kvgraft token create --key')",
+        )
+    raise InvalidSignatureError(
+        f"none of the envelope's {len(envelope.signatures)} signature(s) verifies with the "
+        f"{len(bound)} key(s) this token is bound to",
+        hint="sign with a key the token is bound to; if you did, the envelope was altered after signing",
+    )
+
+
+def index_statement(statement: Statement) -> IndexedStatement:
+    """What to store and check for a verified statement; ``InvalidStatementError`` if unacceptable."""
+    kind = KINDS.get(statement.predicate_type)
+    if kind is None or not isinstance(statement, STATEMENT_MODELS[statement.predicate_type]):
+        raise InvalidStatementError(f"predicate type {statement.predicate_type!r} is not one this registry accepts")
+    subjects = [(s.name, "sha256:" + s.digest.sha256) for s in statement.subject]
+    required = [s.digest.sha256 for s in statement.subject]
+    refs: list[tuple[str, str]] = [(d, "subject") for _, d in subjects]
+    artifact = None
+    pre_registration = None
+    if isinstance(statement, KvArtifactStatement):
+        by_name = dict(subjects)
+        if KV_FILE not in by_name:
+            raise InvalidStatementError(
+                f"a KV artifact statement must name a {KV_FILE} subject; this one names {', '.join(sorted(by_name))}",
+                hint="post the statement 'kvgraft capture' wrote",
+            )
+        p = statement.predicate
+        if p.parent is not None:
+            # The parent's tensors: a child is useless without them.
+            required.append(p.parent.removeprefix("sha256:"))
+            refs.append((p.parent, "parent"))
+        artifact = ArtifactFields(
+            digest=by_name[KV_FILE],
+            model_name=p.model.name,
+            model_weights_digest=p.model.weights_digest,
+            model_config_digest=p.model.config_digest,
+            profile_name=p.profile.name,
+            parent=p.parent,
+            chain_key=p.chain_key,
+            position_start=p.positions.start,
+            position_end=p.positions.end,
+            source_text=p.source_text.text,
+            source_text_digest=p.source_text.digest,
+        )
+    elif isinstance(statement, ExactnessStatement):
+        refs += [(s.prefix_artifact, "prefix_artifact") for s in statement.predicate.samples]
+    elif isinstance(statement, EvaluationStatement):
+        refs += [(d, "library_artifact") for d in statement.predicate.library_artifacts]
+        refs += [(i.library_entry, "library_artifact") for i in statement.predicate.items if i.library_entry]
+    elif isinstance(statement, ReplayStatement):
+        ref = statement.predicate.pre_registration
+        refs.append((ref.envelope_digest, "pre_registration"))
+        pre_registration = (ref.envelope_digest, ref.log_index)
+    return IndexedStatement(
+        kind=kind,
+        predicate_type=statement.predicate_type,
+        subjects=subjects,
+        refs=list(dict.fromkeys(refs)),
+        required_blobs=list(dict.fromkeys(required)),
+        artifact=artifact,
+        pre_registration=pre_registration,
+    )

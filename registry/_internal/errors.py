@@ -1,0 +1,302 @@
+"""The registry's exceptions: one base class, one subclass per failure.
+
+Each class fixes the HTTP status, the RFC 9457 problem ``type`` and ``title`` of the failure,
+so the app maps an exception to its response by class alone. Every error carries a
+``message`` (what happened) and a ``hint`` (what to do), like the verifier's errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Problem ``type`` URIs are this prefix plus the class's slug (RFC 9457 section 3.1.1).
+PROBLEM_BASE = "https://kvgraft.dev/problems/"
+
+
+class RegistryError(Exception):
+    """Base class of every failure the registry reports."""
+
+    status_code: int = 500
+    slug: str = "registry-error"
+    title: str = "Registry error"
+    default_hint: str = "retry; if it persists, report it to the registry's operator"
+
+    def __init__(self, message: str, *, hint: str | None = None, extra: dict[str, Any] | None = None) -> None:
+        self.message = message
+        self.hint = hint if hint is not None else self.default_hint
+        #: Extension members added to the problem document (RFC 9457 section 3.2).
+        self.extra: dict[str, Any] = dict(extra or {})
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        return " ".join(f"{self.message} (hint: {self.hint})".split())
+
+    @property
+    def problem_type(self) -> str:
+        """The RFC 9457 ``type`` URI of this failure."""
+        return PROBLEM_BASE + self.slug
+
+    def headers(self) -> dict[str, str]:
+        """Extra response headers this failure needs (e.g. ``WWW-Authenticate``)."""
+        return {}
+
+
+# --- 400 ---------------------------------------------------------------------------------------
+
+
+class BadRequestError(RegistryError):
+    """A request parameter is malformed (a digest, an index, a cursor, a size)."""
+
+    status_code = 400
+    slug = "bad-request"
+    title = "Bad request"
+    default_hint = "check the request against the API in docs/registry.md"
+
+
+class BadDigestError(BadRequestError):
+    """A digest in a path or query is not ``sha256:`` and 64 lowercase hex digits."""
+
+    slug = "bad-digest"
+    title = "Malformed digest"
+    default_hint = "name content as sha256:<64 lowercase hex digits>"
+
+
+class BlobDigestMismatchError(RegistryError):
+    """Uploaded bytes do not hash to the digest they were uploaded under."""
+
+    status_code = 400
+    slug = "digest-mismatch"
+    title = "Blob digest mismatch"
+    default_hint = "upload the file whose sha256 is the digest in the URL; nothing was stored"
+
+
+class MalformedEnvelopeError(RegistryError):
+    """A posted entry is not a DSSE envelope (not JSON, wrong shape, bad base64)."""
+
+    status_code = 400
+    slug = "malformed-envelope"
+    title = "Malformed envelope"
+    default_hint = "post the .dsse.json file exactly as the signer wrote it"
+
+
+class InvalidNameError(BadRequestError):
+    """A publisher name is not acceptable."""
+
+    slug = "invalid-name"
+    title = "Invalid name"
+    default_hint = "use 1 to 64 characters: lowercase letters, digits, '.', '_' and '-', starting with a letter or digit"
+
+
+# --- 401 / 403 ---------------------------------------------------------------------------------
+
+
+class AuthenticationError(RegistryError):
+    """No bearer token, or one the registry does not know."""
+
+    status_code = 401
+    slug = "unauthenticated"
+    title = "Authentication required"
+    default_hint = "send 'Authorization: Bearer <token>' with a token from 'kvgraft token create'"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": 'Bearer realm="kvgraft-registry"'}
+
+
+class TokenRevokedError(RegistryError):
+    """The bearer token was revoked."""
+
+    status_code = 403
+    slug = "token-revoked"
+    title = "Token revoked"
+    default_hint = "ask the registry's operator for a new token"
+
+
+class KeyNotBoundError(RegistryError):
+    """The envelope is signed only by keys the token may not publish under."""
+
+    status_code = 403
+    slug = "key-not-bound"
+    title = "Signing key not allowed for this token"
+    default_hint = "sign with a key the token is bound to, or ask the operator to bind the key ('kvgraft token create --key')"
+
+
+class AdminAuthError(RegistryError):
+    """An admin request lacks the registry's current admin secret."""
+
+    status_code = 401
+    slug = "admin-unauthenticated"
+    title = "Admin authentication required"
+    default_hint = "run 'kvgraft token/key ...' on the registry's host; it reads the admin secret from the data directory"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": 'Bearer realm="kvgraft-registry-admin"'}
+
+
+# --- 404 ---------------------------------------------------------------------------------------
+
+
+class NotFoundError(RegistryError):
+    """Base of the 404s."""
+
+    status_code = 404
+    slug = "not-found"
+    title = "Not found"
+    default_hint = "check the digest or index; list what exists with GET /v1/artifacts or /v1/log/checkpoint"
+
+
+class BlobNotFoundError(NotFoundError):
+    """No blob has that digest."""
+
+    slug = "blob-not-found"
+    title = "Blob not found"
+    default_hint = "upload it with PUT /v1/blobs/sha256:<hex>, or check the digest"
+
+
+class EntryNotFoundError(NotFoundError):
+    """No log entry has that index or digest."""
+
+    slug = "entry-not-found"
+    title = "Entry not found"
+
+
+class ArtifactNotFoundError(NotFoundError):
+    """No KV artifact entry has that tensors digest."""
+
+    slug = "artifact-not-found"
+    title = "Artifact not found"
+
+
+class TokenNotFoundError(NotFoundError):
+    """No token has that id."""
+
+    slug = "token-not-found"
+    title = "Token not found"
+    default_hint = "list the tokens with 'kvgraft token list --data DIR'"
+
+
+# --- 409 / 413 / 416 / 422 ---------------------------------------------------------------------
+
+
+class MissingBlobsError(RegistryError):
+    """An entry names blobs (subjects, a parent's tensors) the registry does not hold."""
+
+    status_code = 409
+    slug = "missing-blobs"
+    title = "Referenced blobs missing"
+    default_hint = "upload every blob the statement names (PUT /v1/blobs/sha256:<hex>) and post the envelope again"
+
+
+class MissingReferenceError(RegistryError):
+    """An entry refers to another log entry that does not exist (a replay's pre-registration)."""
+
+    status_code = 409
+    slug = "missing-reference"
+    title = "Referenced entry missing"
+    default_hint = "publish the pre-registration first, then the replay that points at it"
+
+
+class ConflictError(RegistryError):
+    """The request conflicts with what the registry holds (a key registered to someone else)."""
+
+    status_code = 409
+    slug = "conflict"
+    title = "Conflict"
+
+
+class PayloadTooLargeError(RegistryError):
+    """A request body is larger than the registry accepts."""
+
+    status_code = 413
+    slug = "too-large"
+    title = "Payload too large"
+    default_hint = "the limits are the registry's settings; ask its operator"
+
+
+class RangeNotSatisfiableError(RegistryError):
+    """No requested byte range overlaps the blob."""
+
+    status_code = 416
+    slug = "range-not-satisfiable"
+    title = "Range not satisfiable"
+    default_hint = "ask for byte ranges inside the blob; HEAD gives its Content-Length"
+
+    def __init__(self, message: str, *, size: int, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint, extra={"size": size})
+        self.size = size
+
+    def headers(self) -> dict[str, str]:
+        return {"Content-Range": f"bytes */{self.size}"}
+
+
+class InvalidSignatureError(RegistryError):
+    """No signature on the envelope verifies: it was altered, or signed by an unknown key."""
+
+    status_code = 422
+    slug = "invalid-signature"
+    title = "Signature does not verify"
+    default_hint = "the envelope was altered after signing; post the file exactly as the signer wrote it"
+
+
+class InvalidStatementError(RegistryError):
+    """The signed payload is not a statement the registry accepts."""
+
+    status_code = 422
+    slug = "invalid-statement"
+    title = "Unacceptable statement"
+    default_hint = (
+        "post an in-toto statement of a kvgraft predicate type (kv-artifact, exactness, evaluation, "
+        "pre-registration, replay), made by kvgraft"
+    )
+
+
+# --- operational (no HTTP request involved, or the server's own state) -------------------------
+
+
+class DataDirError(RegistryError):
+    """The data directory cannot be used (missing, unreadable, wrong permissions)."""
+
+    slug = "data-dir"
+    title = "Data directory unusable"
+    default_hint = "pass --data DIR pointing at the registry's data directory"
+
+
+class DatabaseLockedError(DataDirError):
+    """Another process holds the DuckDB file (a running server, or another admin command)."""
+
+    status_code = 503
+    slug = "database-locked"
+    title = "Database locked"
+    default_hint = "stop the other process, or run admin commands while the server runs (they go through it)"
+
+
+class SchemaVersionError(DataDirError):
+    """The database was written by a newer kvgraft, or a migration failed."""
+
+    slug = "schema-version"
+    title = "Database schema version"
+    default_hint = "upgrade kvgraft to a version that knows this database's schema"
+
+
+class LogIntegrityError(DataDirError):
+    """The stored log does not match its latest signed checkpoint, or its signing key."""
+
+    slug = "log-integrity"
+    title = "Log integrity failure"
+    default_hint = "restore the data directory from a backup; do not serve a log that disagrees with its checkpoints"
+
+
+class ConfigError(DataDirError):
+    """A setting conflicts with the data directory (e.g. a different origin)."""
+
+    slug = "config"
+    title = "Configuration error"
+    default_hint = "check the settings passed to 'kvgraft serve'"
+
+
+class AdminUnavailableError(DataDirError):
+    """An admin command could reach neither the database nor the running server."""
+
+    status_code = 503
+    slug = "admin-unavailable"
+    title = "Admin interface unavailable"
+    default_hint = "check that the server is running and that admin.json in the data directory is current"

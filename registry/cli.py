@@ -1,0 +1,240 @@
+"""The registry's ``kvgraft`` subcommands: ``serve``, ``token`` and ``key``.
+
+``kvgraft.cli`` calls ``add_registry_commands(sub)``. Importing this module imports neither
+litestar nor duckdb; each command loads what it needs when it runs, so the rest of ``kvgraft``
+works without the ``registry`` extra. ``python -m kvgraft.registry`` runs these commands alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvgraft.schemas import SchemaError
+from kvgraft.verifier import VerificationError
+
+from ._internal.errors import RegistryError
+from ._internal.settings import DEFAULT_MAX_BLOB_BYTES, DEFAULT_MAX_ENVELOPE_BYTES, RegistrySettings
+
+#: A public key PEM is a few hundred bytes.
+_MAX_KEY_FILE = 64 * 1024
+
+Command = Callable[[argparse.Namespace], dict[str, Any]]
+
+
+class RegistryCommandError(Exception):
+    """A registry command failed; the message is one line with a hint."""
+
+
+def _fail(message: str, hint: str) -> BaseException:
+    # Inside `kvgraft`, report as its CliError so that its main prints one line, not a traceback.
+    try:
+        from kvgraft.cli import CliError
+    except ImportError:
+        return RegistryCommandError(f"{message} (hint: {hint})")
+    return CliError(message, hint=hint)
+
+
+def _guarded(command: Command) -> Command:
+    def run(args: argparse.Namespace) -> dict[str, Any]:
+        try:
+            return command(args)
+        except RegistryError as e:
+            raise _fail(e.message, e.hint) from e
+        except ImportError as e:
+            raise _fail(
+                f"the registry is not installed ({e.name} is missing)", "pip install 'kvgraft[registry]'"
+            ) from e
+
+    return run
+
+
+def _read_pem(path: Path) -> str:
+    try:
+        if path.stat().st_size > _MAX_KEY_FILE:
+            raise _fail(f"{path} is larger than a public key file can be", "pass the .pub file 'kvgraft keys generate' wrote")
+        return path.read_text(encoding="ascii")
+    except FileNotFoundError as e:
+        raise _fail(f"public key file {path} does not exist", "pass the .pub file 'kvgraft keys generate' wrote") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise _fail(f"cannot read public key file {path}: {e}", "pass a PEM public key file") from e
+
+
+# --- serve -------------------------------------------------------------------------------------
+
+
+def _cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
+    from ._internal.server import serve
+
+    try:
+        settings = RegistrySettings(
+            origin=args.origin,
+            max_blob_bytes=args.max_blob_bytes,
+            max_envelope_bytes=args.max_envelope_bytes,
+            reads_require_token=args.reads_require_token,
+        )
+    except ValueError as e:
+        raise _fail(str(e), "pass positive sizes") from e
+    started = serve(args.data, host=args.host, port=args.port, settings=settings, log_level=args.log_level)
+    if not started:
+        raise _fail(f"the registry server on {args.host}:{args.port} did not start", "see the log above (is the port in use?)")
+    return {"data": str(args.data), "summary": f"registry server for {args.data} stopped"}
+
+
+# --- key ---------------------------------------------------------------------------------------
+
+
+def _cmd_key_add(args: argparse.Namespace) -> dict[str, Any]:
+    from ._internal.admin import admin_session
+
+    pem = _read_pem(args.public_key)
+    with admin_session(args.data, create=True) as (admin, via):
+        result = admin.add_key(args.publisher, pem)
+    what = "registered" if result["created"] else "was already registered"
+    return {**result, "via": via, "summary": f"key {result['keyid']} {what} for publisher {result['publisher']}"}
+
+
+def _cmd_key_list(args: argparse.Namespace) -> dict[str, Any]:
+    from ._internal.admin import admin_session
+
+    with admin_session(args.data, create=False) as (admin, via):
+        keys = admin.list_keys()
+    lines = [f"{'PUBLISHER':<20} {'KEYID':<64} CREATED"]
+    lines += [f"{k['publisher']:<20} {k['keyid']:<64} {k['created_at']}" for k in keys]
+    return {"keys": keys, "via": via, "summary": "\n".join(lines) if keys else "no keys are registered"}
+
+
+# --- token -------------------------------------------------------------------------------------
+
+
+def _cmd_token_create(args: argparse.Namespace) -> dict[str, Any]:
+    from ._internal.admin import admin_session
+
+    pems = [_read_pem(p) for p in args.key]
+    with admin_session(args.data, create=True) as (admin, via):
+        result = admin.create_token(args.publisher, pems)
+    registered = result.get("registered_keys") or []
+    note = f"; registered key(s) {', '.join(registered)} for {result['publisher']}" if registered else ""
+    return {
+        **result,
+        "via": via,
+        "summary": f"token {result['token_id']} for publisher {result['publisher']}, bound to "
+        f"{', '.join(result['keyids'])}{note}\n{result['token']}\n"
+        "(this is the only time the token is shown: store it now)",
+    }
+
+
+def _cmd_token_list(args: argparse.Namespace) -> dict[str, Any]:
+    from ._internal.admin import admin_session
+
+    with admin_session(args.data, create=False) as (admin, via):
+        tokens = admin.list_tokens()
+    lines = [f"{'TOKEN ID':<17} {'PUBLISHER':<20} {'CREATED':<21} {'REVOKED':<21} KEYS"]
+    lines += [
+        f"{t['token_id']:<17} {t['publisher']:<20} {t['created_at']:<21} {t['revoked_at'] or '-':<21} "
+        + ",".join(k[:16] for k in t["keyids"])
+        for t in tokens
+    ]
+    return {"tokens": tokens, "via": via, "summary": "\n".join(lines) if tokens else "no tokens exist"}
+
+
+def _cmd_token_revoke(args: argparse.Namespace) -> dict[str, Any]:
+    from ._internal.admin import admin_session
+
+    with admin_session(args.data, create=False) as (admin, via):
+        result = admin.revoke_token(args.token_id)
+    when = "now" if result["changed"] else f"already, at {result['revoked_at']}"
+    applies = "from the server's next request on" if via == "server" else "(the server was not running)"
+    return {**result, "via": via, "summary": f"token {result['token_id']} of {result['publisher']} revoked {when} {applies}"}
+
+
+# --- wiring ------------------------------------------------------------------------------------
+
+
+def add_registry_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``serve``, ``token`` and ``key`` to ``kvgraft``'s subcommands.
+
+    Each sets ``run(args) -> dict`` with a ``summary``, as the other ``kvgraft`` commands do.
+    """
+
+    def data_opt(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--data", type=Path, required=True, metavar="DIR", help="the registry's data directory")
+
+    serve = sub.add_parser("serve", help="run the registry server (Litestar under uvicorn) over a data directory")
+    data_opt(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument("--origin", help="the log's name in its checkpoints; fixed at first start (default: from the registry key)")
+    serve.add_argument("--max-blob-bytes", type=int, default=DEFAULT_MAX_BLOB_BYTES, metavar="N", help="largest blob accepted")
+    serve.add_argument(
+        "--max-envelope-bytes", type=int, default=DEFAULT_MAX_ENVELOPE_BYTES, metavar="N", help="largest envelope accepted"
+    )
+    serve.add_argument("--reads-require-token", action="store_true", help="refuse reads without a valid token")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.set_defaults(run=_guarded(_cmd_serve))
+
+    token = sub.add_parser("token", help="create, list and revoke publishing tokens")
+    tsub = token.add_subparsers(dest="token_command", required=True, metavar="ACTION")
+    create = tsub.add_parser("create", help="make a bearer token for a publisher, bound to its keys (shown once)")
+    data_opt(create)
+    create.add_argument("--publisher", required=True, help="the publisher's name")
+    create.add_argument(
+        "--key", type=Path, action="append", required=True, metavar="PUBKEY.pem",
+        help="a public key the token may publish under (repeat); registered for the publisher if new",
+    )
+    create.set_defaults(run=_guarded(_cmd_token_create))
+    tlist = tsub.add_parser("list", help="list tokens (ids, publishers, keys; never the tokens)")
+    data_opt(tlist)
+    tlist.set_defaults(run=_guarded(_cmd_token_list))
+    revoke = tsub.add_parser("revoke", help="revoke a token at once")
+    data_opt(revoke)
+    revoke.add_argument("token_id", metavar="TOKEN_ID", help="the token's id (tok_...), from 'kvgraft token list'")
+    revoke.set_defaults(run=_guarded(_cmd_token_revoke))
+
+    key = sub.add_parser("key", help="register and list publishers' public keys")
+    ksub = key.add_subparsers(dest="key_command", required=True, metavar="ACTION")
+    add = ksub.add_parser("add", help="register a publisher's Ed25519 public key")
+    data_opt(add)
+    add.add_argument("--publisher", required=True, help="the publisher's name (created if new)")
+    add.add_argument("--public-key", type=Path, required=True, metavar="PEM", help="the public key file")
+    add.set_defaults(run=_guarded(_cmd_key_add))
+    klist = ksub.add_parser("list", help="list registered keys")
+    data_opt(klist)
+    klist.set_defaults(run=_guarded(_cmd_key_list))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A parser with only the registry commands (``python -m kvgraft.registry``)."""
+    parser = argparse.ArgumentParser(prog="kvgraft", description="kvgraft registry commands.")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a line")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_registry_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run a registry command; return the exit status (0 ok, 1 failed, 2 usage)."""
+    args = build_parser().parse_args(argv)
+    try:
+        from kvgraft.cli import CliError
+
+        user_errors: tuple[type[BaseException], ...] = (CliError, RegistryCommandError, VerificationError, SchemaError)
+    except ImportError:
+        user_errors = (RegistryCommandError, VerificationError, SchemaError)
+    try:
+        result = args.run(args)
+    except user_errors as e:
+        line = " ".join(str(e).split())
+        if args.json:
+            sys.stdout.write(json.dumps({"ok": False, "error": type(e).__name__, "message": line}) + "\n")
+        sys.stderr.write(f"kvgraft: {type(e).__name__}: {line}\n")
+        return 1
+    if args.json:
+        sys.stdout.write(json.dumps({"ok": True, **result}, sort_keys=True) + "\n")
+    else:
+        sys.stdout.write(result["summary"] + "\n")
+    return 0

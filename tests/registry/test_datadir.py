@@ -1,0 +1,163 @@
+"""The data directory: migrations, the registry key and origin, log integrity at start, known answers."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from kvgraft.registry import RegistrySettings
+from kvgraft.registry._internal.admin import admin_session
+from kvgraft.registry._internal.db import MIGRATIONS, Database, Migration
+from kvgraft.registry._internal.errors import (
+    AdminUnavailableError,
+    ConfigError,
+    DatabaseLockedError,
+    DataDirError,
+    LogIntegrityError,
+    SchemaVersionError,
+)
+from kvgraft.registry._internal.log import TransparencyLog
+from kvgraft.registry._internal.service import Registry
+from kvgraft.verifier import ephemeral_signing_key, generate_private_key
+from kvgraft.verifier._internal.tlog import hash_leaf
+
+from ..verifier.test_tlog import KAT_CONSISTENCY, KAT_INCLUSION, KAT_LEAVES, KAT_ROOTS
+from .conftest import Key, artifact, harness
+
+
+def test_a_new_data_dir_is_initialised(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with Registry.open(data, RegistrySettings()) as registry:
+        assert registry.log.size == 0
+        assert registry.log.origin.startswith("kvgraft-registry/")
+        versions = registry.db.query("SELECT version FROM schema_version ORDER BY version")
+        assert [v for (v,) in versions] == [m.version for m in MIGRATIONS]
+    assert stat.S_IMODE((data / "registry-key.pem").stat().st_mode) == 0o600
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    assert (data / "registry-key.pub.pem").is_file()
+    assert (data / "blobs" / "sha256").is_dir()
+    assert not (data / "admin.json").exists()
+
+
+def test_migrations_apply_in_order_once(tmp_path: Path) -> None:
+    db = Database.open(tmp_path)
+    try:
+        extra = (*MIGRATIONS, Migration(2, "add a column", ("ALTER TABLE meta ADD COLUMN note VARCHAR",)))
+        assert db.migrate(extra) == [2]
+        assert db.migrate(extra) == []
+        assert db.schema_version() == 2
+        broken = (*extra, Migration(3, "broken", ("CREATE TABLE t3 (x INT)", "SELECT * FROM nowhere")))
+        with pytest.raises(SchemaVersionError, match="migration 3 .broken. failed"):
+            db.migrate(broken)
+        # The failed step left nothing behind.
+        assert db.schema_version() == 2
+        assert not db.query("SELECT * FROM information_schema.tables WHERE table_name = 't3'")
+    finally:
+        db.close()
+    # This kvgraft knows only version 1: a database at version 2 is refused.
+    with pytest.raises(SchemaVersionError, match="has schema version 2, newer than this kvgraft knows"):
+        Database.open(tmp_path)
+
+
+def test_the_origin_is_fixed_at_first_start(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with Registry.open(data, RegistrySettings(origin="registry.example.com/kvgraft")) as registry:
+        assert registry.log.origin == "registry.example.com/kvgraft"
+    with Registry.open(data, RegistrySettings()) as registry:
+        assert registry.log.origin == "registry.example.com/kvgraft"
+    with pytest.raises(ConfigError, match="cannot be renamed to 'other.example/log'"), Registry.open(data, RegistrySettings(origin="other.example/log")):
+        pass
+    with pytest.raises(ConfigError, match="is not acceptable"), Registry.open(tmp_path / "d2", RegistrySettings(origin="has space")):
+        pass
+
+
+def test_a_readable_registry_key_is_refused(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with Registry.open(data, RegistrySettings()):
+        pass
+    os.chmod(data / "registry-key.pem", 0o644)
+    with pytest.raises(DataDirError, match="other users may read it"), Registry.open(data, RegistrySettings()):
+        pass
+
+
+def test_a_replaced_registry_key_is_refused(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with Registry.open(data, RegistrySettings()):
+        pass
+    os.unlink(data / "registry-key.pem")
+    os.unlink(data / "registry-key.pub.pem")
+    with pytest.raises(DataDirError, match="is not the key this log's checkpoints are signed with"), Registry.open(data, RegistrySettings()):
+        pass
+
+
+def test_a_log_that_disagrees_with_its_checkpoint_is_not_served(tmp_path: Path, keys: dict[str, Key]) -> None:
+    data = tmp_path / "data"
+    with harness(data, keys) as h:
+        for i in range(3):
+            h.publish_artifact(artifact(f"integrity {i}"), keys["alice"])
+    conn = duckdb.connect(str(data / "registry.duckdb"))
+    conn.execute("UPDATE entries SET leaf_hash = ? WHERE log_index = 1", [b"\x00" * 32])
+    conn.close()
+    with pytest.raises(LogIntegrityError, match="the stored entries make a tree of size 3 with root"), Registry.open(data, RegistrySettings()):
+        pass
+    conn = duckdb.connect(str(data / "registry.duckdb"))
+    conn.execute("DELETE FROM entries WHERE log_index = 1")
+    conn.close()
+    with pytest.raises(LogIntegrityError, match="has no entry 1 but has entry 2"), Registry.open(data, RegistrySettings()):
+        pass
+
+
+def test_a_second_opener_waits_then_names_the_holder(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import duckdb, sys, time; c = duckdb.connect({str(tmp_path / 'registry.duckdb')!r}); print('ok', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ok"
+        with pytest.raises(DatabaseLockedError, match=f"is in use by process {holder.pid}"):
+            Database.open(tmp_path, wait_seconds=0.3)
+        # Admin commands fall back to the server's admin API, and say so when there is none.
+        with pytest.raises(AdminUnavailableError, match="no running server left an admin handle"), admin_session(tmp_path, create=False):
+            pass
+    finally:
+        holder.communicate("", timeout=30)
+
+
+def test_admin_commands_need_an_existing_dir_to_read(tmp_path: Path) -> None:
+    with pytest.raises(AdminUnavailableError, match="does not exist"), admin_session(tmp_path / "nope", create=False):
+        pass
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataDirError, match="holds no registry database"), admin_session(tmp_path / "empty", create=False):
+        pass
+
+
+# --- the log against RFC 6962 / RFC 9162 known answers ---------------------------------------------
+
+
+@pytest.fixture
+def kat_log():  # type: ignore[no-untyped-def]
+    with ephemeral_signing_key(generate_private_key()) as key:
+        yield TransparencyLog("kvgraft.test/kat", key, [hash_leaf(d) for d in KAT_LEAVES])
+
+
+def test_the_log_reproduces_the_known_roots(kat_log: TransparencyLog) -> None:
+    for size in range(1, len(KAT_LEAVES) + 1):
+        assert kat_log.root(size) == KAT_ROOTS[size - 1]
+        assert kat_log.sign(size).root_hash == KAT_ROOTS[size - 1]
+
+
+@pytest.mark.parametrize(("index", "size", "path"), KAT_INCLUSION)
+def test_the_log_serves_the_known_inclusion_proofs(kat_log: TransparencyLog, index: int, size: int, path: list[bytes]) -> None:
+    assert kat_log.inclusion(index, size) == {"log_index": index, "tree_size": size, "hashes": [p.hex() for p in path]}
+
+
+@pytest.mark.parametrize(("old", "new", "proof"), KAT_CONSISTENCY)
+def test_the_log_serves_the_known_consistency_proofs(kat_log: TransparencyLog, old: int, new: int, proof: list[bytes]) -> None:
+    assert kat_log.consistency(old, new) == {"old_size": old, "new_size": new, "hashes": [p.hex() for p in proof]}
