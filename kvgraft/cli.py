@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgraft.registry.cli import add_registry_commands
+from kvgraft.registry.client_cli import add_client_commands
 from kvgraft.schemas import (
     SchemaError,
     Statement,
@@ -319,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(run=_cmd_exactness)
 
     add_registry_commands(sub)
+    add_client_commands(sub)
     return parser
 
 
