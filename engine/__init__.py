@@ -25,6 +25,7 @@ from ._internal.errors import (
     ProfileMismatchError,
     UnknownModelError,
 )
+from ._internal.kernel_errors import KernelError, ScheduleError
 from ._internal.kvfile import deserialize, read_kv_file, serialize
 from ._internal.kvstate import KVState, Segment
 from ._internal.models import (
@@ -41,9 +42,11 @@ from ._internal.models import (
     spec_for,
 )
 from ._internal.ops import Continuation, capture, fresh, generate, graft, read_text
-from ._internal.profiles import DEFAULT_PROFILE, PROFILES, applied, current_profile, require_same
+from ._internal.profiles import DEFAULT_PROFILE, PROFILE_ALIASES, PROFILES, applied, current_profile, require_same
+from ._internal.schedules import prefill, single_pass
 
 __all__ = [
+    "KernelError", "PROFILE_ALIASES", "ScheduleError", "prefill", "single_pass",
     "ArtifactError", "Captured", "Continuation", "DEFAULT_PROFILE", "EngineError", "InputTextError", "KVState",
     "KV_FILE", "KvFileError", "LoadedArtifact", "LoadedModel", "MODELS", "ModelFileError", "ModelNotInstalledError",
     "ModelSpec", "PROFILES", "ProfileMismatchError", "STATEMENT_FILE", "Segment", "UnknownModelError", "applied",

@@ -204,6 +204,16 @@ def _cmd_fresh(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _cmd_single_pass(args: argparse.Namespace) -> dict[str, Any]:
+    engine = _engine()
+    prefix = engine.read_text(args.prefix_file, what="prefix file")
+    text = engine.read_text(args.text_file)
+    model, profile = _model_and_profile(engine, args.model, args.profile)
+    result = engine.single_pass(model, profile, prefix, text).summary()
+    result["summary"] = f"single-pass {args.model}: logits_sha256 {result['logits_sha256']} over positions {result['positions']}"
+    return result
+
+
 def _cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
     engine = _engine()
     if args.max_new_tokens < 1:
@@ -297,6 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
     fr.add_argument("--text-file", type=Path, required=True)
     fr.add_argument("--profile", default="cpu-fp32")
     fr.set_defaults(run=_cmd_fresh)
+
+    sp = sub.add_parser("single-pass", help="prefix and continuation in one forward pass (compare under --profile invariant)")
+    sp.add_argument("--model", required=True)
+    sp.add_argument("--prefix-file", type=Path, required=True)
+    sp.add_argument("--text-file", type=Path, required=True)
+    sp.add_argument("--profile", default="cpu-fp32")
+    sp.set_defaults(run=_cmd_single_pass)
 
     gen = sub.add_parser("generate", help="decode greedily from a grafted artifact")
     gen.add_argument("--artifact", type=Path, required=True)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
+from . import invariant
 from .errors import ArtifactError
 from .models import LoadedModel
 
@@ -52,25 +53,42 @@ class KVState:
         """The number of positions the state covers."""
         return len(self.token_ids)
 
-    def extend(self, ids: list[int]) -> torch.Tensor:
-        """Run ``ids`` at positions ``[end, end + len(ids))`` in one forward pass.
+    def extend(self, ids: list[int], *, chunk: int | None = None, keep_last: int | None = None) -> torch.Tensor:
+        """Run ``ids`` at positions ``[end, end + len(ids))``: in one forward pass, or in forward
+        passes of ``chunk`` tokens each (chunked prefill).
 
-        Returns their logits, float32 ``[len(ids), vocab]``; the cache grows in place.
+        Returns their logits, float32 ``[len(ids), vocab]`` (or only the last ``keep_last``
+        positions', the lm head running on those only); the cache grows in place.
         """
         if not ids:
             raise ArtifactError("cannot run an empty token sequence", hint="pass text that tokenizes to tokens")
+        if chunk is not None and chunk < 1:
+            raise ArtifactError(f"chunk size {chunk} is not a positive number of tokens", hint="pass chunk=None for one pass")
         if self.end + len(ids) > self.model.spec.window:
             raise ArtifactError(
                 f"{self.end + len(ids)} positions exceed {self.model.spec.name}'s window of {self.model.spec.window}",
                 hint="use a shorter text",
             )
+        if keep_last is not None and not 0 < keep_last <= len(ids):
+            raise ArtifactError(f"keep_last {keep_last} is not within the {len(ids)} tokens run", hint="pass 1..len(ids) or None")
+        step = chunk or len(ids)
+        first_kept = len(ids) - (keep_last or len(ids))
+        parts = [self._forward(ids[i:i + step], max(0, first_kept - i)) for i in range(0, len(ids), step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)  # chunks' [n_i, vocab] -> [n, vocab]
+
+    def _forward(self, ids: list[int], first_kept: int = 0) -> torch.Tensor:
         input_ids = torch.tensor([ids], dtype=torch.long)  # [1, n]
-        extra = {}
+        extra: dict[str, object] = {}
+        if first_kept:
+            # Positions (within this pass) whose logits are wanted; may be none.
+            extra["logits_to_keep"] = torch.arange(min(first_kept, len(ids)), len(ids))
         if self.shift:
             # Only RoPE sees the moved positions; masks still count the tokens actually held.
             first = self.end + self.shift
             extra["position_ids"] = torch.arange(first, first + len(ids), dtype=torch.long)[None, :]  # [1, n]
-        out = self.model.module(input_ids=input_ids, cache=self.cache, use_cache=True, **extra)
+        # Under a schedule-invariant profile this names the invariant attention for the pass.
+        with invariant.scoped_call(self.model.module, self.end, len(ids)) as invariant_kwargs:
+            out = self.model.module(input_ids=input_ids, cache=self.cache, use_cache=True, **extra, **invariant_kwargs)
         self.token_ids.extend(ids)
         return out.logits[0].to(torch.float32)  # [1, n, vocab] -> [n, vocab]
 

@@ -18,6 +18,7 @@ import transformers
 
 from kvgraft.schemas import DeterminismProfile, ExactnessLevel, ModelRef, Sha256Digest
 
+from . import invariant
 from .errors import ProfileMismatchError, UnknownModelError
 
 
@@ -33,11 +34,19 @@ class ProfileSettings:
 
 
 #: The named profiles. ``cpu-fp32`` is own-position exact: a graft equals recomputing the same
-#: prefix then the same continuation with the same schedule.
+#: prefix then the same continuation with the same schedule. ``cpu-fp32-invariant`` is
+#: schedule-invariant exact: a graft plus its continuation equals one single-pass prefill, for
+#: any chunking, batch and thread count (fixed-shape kernels, see invariant.py).
 PROFILES: dict[str, ProfileSettings] = {
     "cpu-fp32": ProfileSettings(exactness="own-position", threads=2, attention_implementation="eager", matmul_tiling="default"),
+    "cpu-fp32-invariant": ProfileSettings(
+        exactness="schedule-invariant", threads=2, attention_implementation=invariant.ATTENTION_NAME,
+        matmul_tiling=invariant.tiling_name(invariant.InvariantSettings()),
+    ),
 }
 DEFAULT_PROFILE = "cpu-fp32"
+#: Short names accepted wherever a profile is named (``--profile invariant``).
+PROFILE_ALIASES: dict[str, str] = {"invariant": "cpu-fp32-invariant", "default": "cpu-fp32"}
 
 
 def _cpu_model() -> str:
@@ -55,11 +64,15 @@ def device_fingerprint() -> str:
 
 
 def current_profile(name: str = DEFAULT_PROFILE) -> DeterminismProfile:
-    """The full profile ``name`` on this machine with these library versions."""
+    """The full profile ``name`` (or its alias) on this machine with these library versions."""
+    name = PROFILE_ALIASES.get(name, name)
     try:
         s = PROFILES[name]
     except KeyError as e:
         raise UnknownModelError(f"no determinism profile named {name!r}; known: {', '.join(PROFILES)}", hint="use --profile cpu-fp32") from e
+    kernel_versions = {"mkldnn": str(torch.backends.mkldnn.is_available()), "openmp": str(torch.backends.openmp.is_available())}
+    if s.exactness == "schedule-invariant":
+        kernel_versions["kvgraft_invariant"] = invariant.settings_from_tiling(s.matmul_tiling).describe()
     return DeterminismProfile(
         name=name,
         exactness=s.exactness,
@@ -68,7 +81,7 @@ def current_profile(name: str = DEFAULT_PROFILE) -> DeterminismProfile:
         dtype=s.dtype,
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,
-        kernel_versions={"mkldnn": str(torch.backends.mkldnn.is_available()), "openmp": str(torch.backends.openmp.is_available())},
+        kernel_versions=kernel_versions,
         threads=s.threads,
         attention_implementation=s.attention_implementation,
         matmul_tiling=s.matmul_tiling,
@@ -79,7 +92,12 @@ def current_profile(name: str = DEFAULT_PROFILE) -> DeterminismProfile:
 
 @contextlib.contextmanager
 def applied(profile: DeterminismProfile) -> Iterator[None]:
-    """Pin the profile's threads and deterministic algorithms; restore the previous state after."""
+    """Pin the profile's threads and deterministic algorithms, and for a schedule-invariant
+    profile install the invariant kernels; restore the previous state after."""
+    kernels = (
+        invariant.installed(invariant.settings_from_tiling(profile.matmul_tiling))
+        if profile.exactness == "schedule-invariant" else contextlib.nullcontext()
+    )
     threads = torch.get_num_threads()
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
@@ -88,7 +106,8 @@ def applied(profile: DeterminismProfile) -> Iterator[None]:
     torch.use_deterministic_algorithms(profile.deterministic_algorithms)
     torch.set_grad_enabled(False)
     try:
-        yield
+        with kernels:
+            yield
     finally:
         torch.set_grad_enabled(grad)
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)

@@ -1,0 +1,116 @@
+"""Scatter an artifact's keys and values into a paged block cache and gather them back.
+
+The paged cache of one layer is two tensors ``[num_blocks, block_size, kv_heads, head_dim]``
+(keys, values), the layout vLLM's flash-attention backend uses. A sequence owns the blocks its
+block table lists: position ``p`` lives in slot ``block_table[p // block_size] * block_size +
+p % block_size``. An artifact's layer tensors are ``[1, kv_heads, tokens, head_dim]``
+(``docs/artifacts.md``). Both directions are pure copies, so kernel and reference agree bit for
+bit by construction; the tests check it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvgraft.engine._internal.kernel_errors import KernelError
+
+from .backend import Backend, block_for, choose, kernels
+
+#: Tokens per cache block.
+BLOCK_SIZE = 16
+
+
+def slot_mapping(block_table: torch.Tensor, start: int, length: int, *, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """The cache slots of positions ``[start, start + length)`` of the sequence ``block_table``
+    describes, int64 ``[length]``."""
+    if block_table.dim() != 1 or block_table.dtype not in (torch.int32, torch.int64):
+        raise KernelError(f"a block table is a 1-D integer tensor, not {block_table.dtype} {tuple(block_table.shape)}")
+    if start < 0 or length < 0:
+        raise KernelError(f"positions [{start}, {start + length}) are not a range", hint="start and length are >= 0")
+    needed = -(-(start + length) // block_size)
+    if needed > block_table.numel():
+        raise KernelError(f"positions up to {start + length} need {needed} blocks; the block table lists {block_table.numel()}",
+                          hint="allocate more blocks to the sequence")
+    pos = torch.arange(start, start + length, device=block_table.device)
+    return block_table.to(torch.int64)[pos // block_size] * block_size + pos % block_size
+
+
+def _check(keys: torch.Tensor, values: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    if keys.dim() != 4 or keys.shape[0] != 1 or keys.shape != values.shape:
+        raise KernelError(f"artifact keys and values must both be [1, kv_heads, tokens, head_dim], got {tuple(keys.shape)} and {tuple(values.shape)}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise KernelError(f"a paged cache is [num_blocks, block_size, kv_heads, head_dim] for keys and values, got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+    if key_cache.shape[2:] != keys.shape[1:2] + keys.shape[3:]:
+        raise KernelError(f"the cache holds {key_cache.shape[2]} heads of {key_cache.shape[3]}; the artifact {keys.shape[1]} of {keys.shape[3]}",
+                          hint="use a cache made for this model")
+    if keys.dtype != key_cache.dtype or values.dtype != value_cache.dtype:
+        raise KernelError(f"dtype {keys.dtype} does not match the cache's {key_cache.dtype}")
+    if slots.dim() != 1 or slots.numel() != keys.shape[2]:
+        raise KernelError(f"{slots.numel()} slots for {keys.shape[2]} tokens", hint="compute them with slot_mapping")
+    capacity = key_cache.shape[0] * key_cache.shape[1]
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
+        raise KernelError(f"slots run outside the cache's {capacity} slots")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise KernelError("the paged cache tensors must be contiguous")
+
+
+def scatter_kv_reference(keys: torch.Tensor, values: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write artifact keys/values ``[1, H, t, d]`` into cache slots ``slots`` (torch)."""
+    _check(keys, values, key_cache, value_cache, slots)
+    h, d = key_cache.shape[2], key_cache.shape[3]
+    key_cache.view(-1, h, d)[slots] = keys[0].transpose(0, 1)  # [H, t, d] -> [t, H, d] into [slots, H, d]
+    value_cache.view(-1, h, d)[slots] = values[0].transpose(0, 1)
+
+
+def gather_kv_reference(key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read cache slots ``slots`` back into artifact layout ``[1, H, t, d]`` (torch)."""
+    h, d = key_cache.shape[2], key_cache.shape[3]
+    keys = key_cache.view(-1, h, d)[slots].transpose(0, 1)[None].contiguous()  # [t, H, d] -> [1, H, t, d]
+    values = value_cache.view(-1, h, d)[slots].transpose(0, 1)[None].contiguous()
+    return keys, values
+
+
+def scatter_kv(
+    keys: torch.Tensor, values: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor, *, backend: Backend = "auto",
+) -> None:
+    """Write artifact keys/values ``[1, H, t, d]`` into the paged cache at ``slots``, in place."""
+    _check(keys, values, key_cache, value_cache, slots)
+    if choose(backend, keys, values, key_cache, value_cache, slots) == "torch":
+        scatter_kv_reference(keys, values, key_cache, value_cache, slots)
+        return
+    t, h, d = keys.shape[2], keys.shape[1], keys.shape[3]
+    if t == 0:
+        return
+    if keys.stride() != values.stride():
+        # One set of source strides serves both: give them the same layout.
+        keys, values = keys.contiguous(), values.contiguous()
+    # Source strides in elements (the artifact is read in place, whatever its layout); a cache
+    # slot is h * d elements, a head d, an element 1.
+    kernels().scatter_kv[(t, h)](
+        keys, values, key_cache, value_cache, slots.to(torch.int64).contiguous(),
+        keys.stride(2), keys.stride(1), keys.stride(3), h * d, d, 1, d,
+        BLOCK_D=block_for(d),
+    )
+
+
+def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor, *, backend: Backend = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Read the paged cache at ``slots`` back into artifact layout ``[1, H, t, d]``."""
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise KernelError(f"a paged cache is two contiguous [num_blocks, block_size, kv_heads, head_dim] tensors, got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+    if slots.dim() != 1:
+        raise KernelError(f"slots must be 1-D, got {tuple(slots.shape)}")
+    capacity = key_cache.shape[0] * key_cache.shape[1]
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
+        raise KernelError(f"slots run outside the cache's {capacity} slots")
+    if choose(backend, key_cache, value_cache, slots) == "torch":
+        return gather_kv_reference(key_cache, value_cache, slots)
+    h, d, t = key_cache.shape[2], key_cache.shape[3], slots.numel()
+    keys = key_cache.new_empty(1, h, t, d)
+    values = value_cache.new_empty(1, h, t, d)
+    if t:
+        kernels().gather_kv[(t, h)](
+            key_cache, value_cache, slots.to(torch.int64).contiguous(), keys, values,
+            h * d, d, 1, keys.stride(2), keys.stride(1), keys.stride(3), d,
+            BLOCK_D=block_for(d),
+        )
+    return keys, values
