@@ -49,7 +49,8 @@ def sigstore_vectors() -> Path:
 def vectors() -> Path:
     path = sigstore_vectors()
     if not path.is_dir():
-        pytest.skip(f"the shared Sigstore vectors are not at {path}")
+        # A missing fixture is a broken checkout, not a reason to pass quietly.
+        raise RuntimeError(f"the shared Sigstore vectors are not at {path}: tests read ../shared beside the repository")
     return path
 
 
