@@ -8,14 +8,9 @@ works without the ``registry`` extra. ``python -m kvgraft.registry`` runs these 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
-
-from kvgraft.schemas import SchemaError
-from kvgraft.verifier import VerificationError
 
 from ._internal.errors import RegistryError
 from ._internal.settings import DEFAULT_MAX_BLOB_BYTES, DEFAULT_MAX_ENVELOPE_BYTES, RegistrySettings
@@ -207,34 +202,12 @@ def add_registry_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     klist.set_defaults(run=_guarded(_cmd_key_list))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """A parser with only the registry commands (``python -m kvgraft.registry``)."""
-    parser = argparse.ArgumentParser(prog="kvgraft", description="kvgraft registry commands.")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a line")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_registry_commands(sub)
-    return parser
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run a registry command; return the exit status (0 ok, 1 failed, 2 usage)."""
-    args = build_parser().parse_args(argv)
-    try:
-        from kvgraft.cli import CliError
+    """Run a ``kvgraft`` command line (exit status 0 ok, 1 failed, 2 usage).
 
-        user_errors: tuple[type[BaseException], ...] = (CliError, RegistryCommandError, VerificationError, SchemaError)
-    except ImportError:
-        user_errors = (RegistryCommandError, VerificationError, SchemaError)
-    try:
-        result = args.run(args)
-    except user_errors as e:
-        line = " ".join(str(e).split())
-        if args.json:
-            sys.stdout.write(json.dumps({"ok": False, "error": type(e).__name__, "message": line}) + "\n")
-        sys.stderr.write(f"kvgraft: {type(e).__name__}: {line}\n")
-        return 1
-    if args.json:
-        sys.stdout.write(json.dumps({"ok": True, **result}, sort_keys=True) + "\n")
-    else:
-        sys.stdout.write(result["summary"] + "\n")
-    return 0
+    These commands are registered on ``kvgraft``'s own parser; ``kvgraft.cli.main`` is the one
+    place that prints results and one-line failures.
+    """
+    from kvgraft.cli import main as kvgraft_main  # lazy: kvgraft.cli imports this module
+
+    return kvgraft_main(argv)

@@ -9,15 +9,10 @@ rest of ``kvgraft`` works without the ``registry`` extra. Each command returns a
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from kvgraft.schemas import SchemaError
-from kvgraft.verifier import VerificationError
 
 if TYPE_CHECKING:
     from .client import MirrorResult, PublishResult, PullResult, RegistryClient
@@ -215,37 +210,12 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     mi.set_defaults(run=_guarded(_cmd_mirror))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """A parser with only the client commands (what ``main`` runs)."""
-    parser = argparse.ArgumentParser(prog="kvgraft", description="kvgraft registry client commands.")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_client_commands(sub)
-    return parser
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run a client command; return the exit status (0 ok, 1 failed, 2 usage).
+    """Run a ``kvgraft`` command line (exit status 0 ok, 1 failed, 2 usage).
 
-    The same output and failure conventions as ``kvgraft``'s own ``main``.
+    These commands are registered on ``kvgraft``'s own parser; ``kvgraft.cli.main`` is the one
+    place that prints results and one-line failures.
     """
-    args = build_parser().parse_args(argv)
-    try:
-        from kvgraft.cli import CliError
+    from kvgraft.cli import main as kvgraft_main  # lazy: kvgraft.cli imports this module
 
-        user_errors: tuple[type[BaseException], ...] = (CliError, ClientCommandError, VerificationError, SchemaError)
-    except ImportError:
-        user_errors = (ClientCommandError, VerificationError, SchemaError)
-    try:
-        result = args.run(args)
-    except user_errors as e:
-        line = " ".join(str(e).split())
-        if args.json:
-            sys.stdout.write(json.dumps({"ok": False, "error": type(e).__name__, "message": line}) + "\n")
-        sys.stderr.write(f"kvgraft: {type(e).__name__}: {line}\n")
-        return 1
-    if args.json:
-        sys.stdout.write(json.dumps({"ok": True, **result}, sort_keys=True) + "\n")
-    else:
-        sys.stdout.write(result["summary"] + "\n")
-    return 0
+    return kvgraft_main(argv)
