@@ -36,6 +36,7 @@ from .blobs import parse_digest_ref
 from .datadir import AdminHandle, remove_admin_handle, write_admin_handle
 from .errors import AdminAuthError, BadRequestError, BlobNotFoundError, PayloadTooLargeError, RegistryError
 from .ranges import if_range_allows, none_match, parse_range
+from .security import add_security_headers
 from .service import Page, Registry
 from .settings import RegistrySettings
 
@@ -508,6 +509,8 @@ def create_app(data_dir: Path, settings: RegistrySettings | None = None) -> Lite
     return Litestar(
         route_handlers=ROUTES,
         lifespan=[lifespan],
+        # Security headers (CSP and friends) on every response, errors and 404s included.
+        before_send=[add_security_headers],
         exception_handlers={RegistryError: _registry_error, HTTPException: _http_error, Exception: _internal_error},
         # The app logs through "kvgraft.registry"; configuring the process's logging is the
         # caller's business (kvgraft serve does it), not the app's.
