@@ -41,6 +41,17 @@ from ._internal.exactness import (
     read_logits,
     verify_exactness_record,
 )
+from ._internal.grading import (
+    Dataset,
+    DatasetKind,
+    Grade,
+    HarnessHashes,
+    extract_answer,
+    grade,
+    harness_hashes,
+    load_dataset,
+    normalize_number,
+)
 from ._internal.keys import (
     KeyId,
     SigningKey,
@@ -86,5 +97,7 @@ __all__ = [
     "load_private_key", "load_public_key", "load_trusted_keys", "open_signing_key", "pae",
     "parse_envelope", "parse_public_key", "parse_trusted_keys", "public_key_pem", "read_envelope",
     "save_private_key", "save_public_key", "sign_envelope", "sign_statement", "trusted_key",
+    "Dataset", "DatasetKind", "Grade", "HarnessHashes", "extract_answer", "grade", "harness_hashes",
+    "load_dataset", "normalize_number",
     "LOGITS_DIR", "RECORD_FILE", "LogitsComparison", "compare_logits", "logits_file_name", "read_logits", "verify_exactness_record", "verify_envelope", "verify_statement_envelope", "verify_subjects", "write_atomic",
 ]
