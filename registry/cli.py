@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from ._internal.errors import RegistryError
-from ._internal.settings import DEFAULT_MAX_BLOB_BYTES, DEFAULT_MAX_ENVELOPE_BYTES, RegistrySettings
+from ._internal.settings import (
+    DEFAULT_MAX_BLOB_BYTES,
+    DEFAULT_MAX_ENVELOPE_BYTES,
+    DEFAULT_RATE_BURST,
+    DEFAULT_RATE_LIMIT,
+    RegistrySettings,
+)
 
 #: A public key PEM is a few hundred bytes.
 _MAX_KEY_FILE = 64 * 1024
@@ -71,9 +77,11 @@ def _cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
             max_blob_bytes=args.max_blob_bytes,
             max_envelope_bytes=args.max_envelope_bytes,
             reads_require_token=args.reads_require_token,
+            rate_limit=args.rate_limit,
+            rate_burst=args.rate_burst,
         )
     except ValueError as e:
-        raise _fail(str(e), "pass positive sizes") from e
+        raise _fail(str(e), "pass positive sizes, a rate limit >= 0 and a burst >= 1") from e
     started = serve(args.data, host=args.host, port=args.port, settings=settings, log_level=args.log_level)
     if not started:
         raise _fail(f"the registry server on {args.host}:{args.port} did not start", "see the log above (is the port in use?)")
@@ -169,6 +177,14 @@ def add_registry_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
         "--max-envelope-bytes", type=int, default=DEFAULT_MAX_ENVELOPE_BYTES, metavar="N", help="largest envelope accepted"
     )
     serve.add_argument("--reads-require-token", action="store_true", help="refuse reads without a valid token")
+    serve.add_argument(
+        "--rate-limit", type=float, default=DEFAULT_RATE_LIMIT, metavar="PER_S",
+        help=f"requests per second each token may make on average; 0: no limit (default {DEFAULT_RATE_LIMIT:g})",
+    )
+    serve.add_argument(
+        "--rate-burst", type=int, default=DEFAULT_RATE_BURST, metavar="N",
+        help=f"requests each token may make at once (default {DEFAULT_RATE_BURST})",
+    )
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(run=_guarded(_cmd_serve))
 

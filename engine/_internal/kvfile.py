@@ -59,14 +59,24 @@ def deserialize(data: bytes, *, source: str = "kv file") -> tuple[dict[str, torc
     (n,) = struct.unpack("<Q", data[:8])
     if n > MAX_HEADER or n > len(data) - 8:
         raise KvFileError(f"{source} declares a {n}-byte header but holds {len(data) - 8} bytes after the length")
+    raw_header = data[8 : 8 + n]
+    # A safetensors header is one object of tensor objects (and __metadata__): never deeper
+    # than 3 levels. Refusing deeper nesting up front keeps json.loads from recursing until
+    # RecursionError on a header like "[[[[...".
+    depth = _max_depth(raw_header)
+    if depth > _MAX_HEADER_DEPTH:
+        raise KvFileError(f"{source} has a header nested {depth} levels deep; a safetensors header has at most {_MAX_HEADER_DEPTH}")
     try:
-        header = json.loads(data[8 : 8 + n].decode("utf-8"), object_pairs_hook=_unique)
-    except (UnicodeDecodeError, json.JSONDecodeError, KvFileError) as e:
+        header = json.loads(raw_header.decode("utf-8"), object_pairs_hook=_unique)
+    except KvFileError as e:
+        raise KvFileError(f"{source} has an unreadable header: {e.message}") from e
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        # ValueError covers JSONDecodeError and integers past sys.get_int_max_str_digits().
         raise KvFileError(f"{source} has an unreadable header: {e}") from e
     if not isinstance(header, dict):
         raise KvFileError(f"{source} header is not a JSON object")
     body = memoryview(data)[8 + n :]
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise KvFileError(f"{source} __metadata__ must map strings to strings")
     spans: list[tuple[int, int, str]] = []
@@ -99,6 +109,34 @@ def deserialize(data: bytes, *, source: str = "kv file") -> tuple[dict[str, torc
     return tensors, dict(metadata)
 
 
+_MAX_HEADER_DEPTH = 3
+
+
+def _max_depth(text: bytes) -> int:
+    """The deepest nesting of JSON arrays and objects in ``text``, brackets in strings not counted."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > _MAX_HEADER_DEPTH:
+                    return deepest
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return deepest
+
+
 def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
     out: dict[str, object] = {}
     for k, v in pairs:
@@ -111,7 +149,7 @@ def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
 def _entry(name: str, info: object, source: str) -> tuple[torch.dtype, list[int], tuple[int, int]]:
     if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
         raise KvFileError(f"{source}: tensor {name} must have exactly dtype, shape and data_offsets")
-    if info["dtype"] not in _BY_NAME:
+    if not isinstance(info["dtype"], str) or info["dtype"] not in _BY_NAME:
         raise KvFileError(f"{source}: tensor {name} has unsupported dtype {info['dtype']!r}")
     shape, offsets = info["shape"], info["data_offsets"]
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape):

@@ -228,6 +228,22 @@ class RangeNotSatisfiableError(RegistryError):
         return {"Content-Range": f"bytes */{self.size}"}
 
 
+class RateLimitedError(RegistryError):
+    """A token made more requests than the registry's per-token rate limit allows."""
+
+    status_code = 429
+    slug = "rate-limited"
+    title = "Too many requests"
+    default_hint = "wait for the number of seconds in Retry-After, then retry; ask the operator for a higher limit if you need one"
+
+    def __init__(self, message: str, *, retry_after: int, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint, extra={"retry_after": retry_after})
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
+
+
 class InvalidSignatureError(RegistryError):
     """No signature on the envelope verifies: it was altered, or signed by an unknown key."""
 

@@ -48,6 +48,7 @@ from .errors import (
     TokenRevokedError,
 )
 from .log import LogHead, TransparencyLog, format_vkey, hash_leaf, verify_checkpoint
+from .ratelimit import RateLimiter
 from .settings import RegistrySettings
 
 logger = logging.getLogger("kvgraft.registry")
@@ -117,6 +118,7 @@ class Registry:
         self.blobs = blobs
         self.settings = settings
         self.accounts = Accounts(db)
+        self.rate_limiter = RateLimiter(settings.rate_limit, settings.rate_burst)
         self._head = head
 
     @classmethod
@@ -192,8 +194,10 @@ class Registry:
     # --- publishing ------------------------------------------------------------------------
 
     def authenticate(self, authorization: str | None) -> TokenInfo:
-        """The token of an Authorization header (401/403 otherwise)."""
-        return self.accounts.authenticate(authorization)
+        """The token of an Authorization header (401/403 otherwise), counted against its rate limit (429)."""
+        info = self.accounts.authenticate(authorization)
+        self.rate_limiter.acquire(info.token_id)
+        return info
 
     def publish(self, body: bytes, token: TokenInfo) -> Published:
         """Verify, check and log the envelope ``body`` posted with ``token``.

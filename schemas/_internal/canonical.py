@@ -89,3 +89,7 @@ def parse_json(data: bytes | str, *, what: str = "document") -> Any:
         raise DocumentError(f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
     except DocumentError as e:
         raise DocumentError(f"{what}: {e}") from e
+    except ValueError as e:
+        # json.loads refuses integers longer than sys.get_int_max_str_digits() with a plain
+        # ValueError; that is malformed input, not a crash.
+        raise DocumentError(f"{what} holds a number too long to read ({e})") from e

@@ -1,0 +1,76 @@
+"""Regression tests for the bugs the hostile inputs found, each named after its bug."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from kvgraft.engine import KvFileError
+from kvgraft.engine._internal.kvfile import deserialize
+from kvgraft.schemas import DocumentError, parse_statement
+from kvgraft.verifier import MalformedInputError, parse_envelope
+from tests.registry.conftest import Key, harness
+
+
+def _kv(header: bytes, body: bytes = b"") -> bytes:
+    return struct.pack("<Q", len(header)) + header + body
+
+
+def test_kvfile_deeply_nested_header_raised_recursion_error() -> None:
+    # Was: json.loads recursed until RecursionError escaped deserialize.
+    header = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(KvFileError, match=r"nested \d+ levels deep"):
+        deserialize(_kv(header))
+
+
+def test_kvfile_nesting_inside_strings_is_not_counted() -> None:
+    header = b'{"__metadata__":{"note":"[[[[{{{{"}}'
+    tensors, metadata = deserialize(_kv(header + b" " * (-len(header) % 8)))
+    assert tensors == {}
+    assert metadata == {"note": "[[[[{{{{"}
+
+
+def test_kvfile_huge_integer_in_header_raised_value_error() -> None:
+    # Was: int() past sys.get_int_max_str_digits() raised a bare ValueError.
+    header = b'{"t":{"dtype":"F32","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,4]}}'
+    with pytest.raises(KvFileError, match="unreadable header"):
+        deserialize(_kv(header, b"\0" * 4))
+
+
+def test_kvfile_unhashable_dtype_raised_type_error() -> None:
+    # Was: `info["dtype"] not in _BY_NAME` with a list raised TypeError: unhashable type.
+    header = b'{"t":{"dtype":["F32"],"shape":[1],"data_offsets":[0,4]}}'
+    with pytest.raises(KvFileError, match="unsupported dtype"):
+        deserialize(_kv(header, b"\0" * 4))
+
+
+def test_kvfile_duplicate_name_message_had_two_hints() -> None:
+    header = b'{"t":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"t":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+    with pytest.raises(KvFileError, match="duplicate tensor name 't'") as info:
+        deserialize(_kv(header, b"\0" * 4))
+    assert str(info.value).count("(hint:") == 1
+
+
+def test_kvfile_falsy_metadata_was_accepted_as_empty() -> None:
+    with pytest.raises(KvFileError, match="__metadata__ must map strings to strings"):
+        deserialize(_kv(b'{"__metadata__":0}    '))
+
+
+def test_statement_with_huge_integer_raised_value_error() -> None:
+    # Was: parse_json let json.loads' ValueError for a 5000-digit integer escape.
+    with pytest.raises(DocumentError, match="number too long to read"):
+        parse_statement(b'{"_type":' + b"1" * 5000 + b"}")
+    with pytest.raises(MalformedInputError, match="number too long to read"):
+        parse_envelope(b'{"payloadType":"x","payload":"","signatures":[' + b"7" * 5000 + b"]}", source="envelope")
+
+
+def test_registry_envelope_with_huge_integer_was_500(tmp_path: Path, rkeys: dict[str, Key]) -> None:
+    # Was: the ValueError reached the app's catch-all handler: 500 instead of 400.
+    with harness(tmp_path / "data", rkeys) as reg:
+        r = reg.publish(b'{"payloadType":"application/vnd.in-toto+json","payload":' + b"1" * 5000 + b',"signatures":[]}')
+        assert r.status_code == 400, r.text
+        assert r.headers["content-type"].startswith("application/problem+json")
+        assert r.json()["type"].endswith("/malformed-envelope")
+        assert "number too long to read" in r.json()["detail"]
