@@ -20,8 +20,11 @@ from kvgraft.schemas import InvalidDigestError, SchemaError, Sha256Digest, parse
 
 from ._internal.dsse import read_envelope, verify_envelope, verify_statement_envelope
 from ._internal.errors import MalformedInputError, VerificationError
+from ._internal.evaluation import verify_evaluation_record
 from ._internal.exactness import verify_exactness_record
+from ._internal.grading import load_dataset
 from ._internal.keys import load_trusted_keys, read_limited
+from ._internal.replay import load_checkpoint, verify_replay
 from ._internal.subjects import verify_subjects
 from ._internal.tlog_cli import add_log_parser
 
@@ -87,6 +90,46 @@ def _cmd_exactness(args: argparse.Namespace) -> dict[str, Any]:
         "summary": f"OK: {p.level} exactness record for {p.model.name}, signed by {', '.join(signers)}: "
         f"{s.bitwise_equal}/{s.samples} bitwise equal, argmax {s.argmax_agree_all}/{s.samples}, "
         f"max KL {s.max_kl_divergence!r}; every hash, KL and argmax recomputed",
+    }
+
+
+def _cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
+    trusted = load_trusted_keys(args.trusted_keys)
+    verified = verify_evaluation_record(args.record, load_dataset(args.dataset), trusted)
+    p = verified.statement.predicate
+    a = p.aggregates
+    return {
+        "verified": "evaluation",
+        "model": p.model.name,
+        "dataset": {"name": p.dataset.name, "digest": p.dataset.digest},
+        "items": a.items,
+        "correct": a.correct,
+        "accuracy": a.accuracy,
+        "prompt_tokens": a.prompt_tokens,
+        "decode_tokens": a.decode_tokens,
+        "signers": list(verified.signers),
+        "summary": f"OK: evaluation of {p.model.name} on {p.dataset.name}, signed by {', '.join(verified.signers)}: "
+        f"{a.correct}/{a.items} correct (accuracy {a.accuracy!r}), {a.decode_tokens} decode tokens; "
+        "every hash, grade and aggregate recomputed",
+    }
+
+
+def _cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
+    trusted = load_trusted_keys(args.trusted_keys)
+    checkpoint = load_checkpoint(args.checkpoint, args.registry_key)
+    verified = verify_replay(args.replay, args.pre_registration, trusted, checkpoint)
+    outcome = "reproduced every" if verified.reproduced else "did NOT reproduce the"
+    return {
+        "verified": "replay",
+        "reproduced": verified.reproduced,
+        "outputs": verified.outputs,
+        "pre_registration_log_index": verified.pre_registration_log_index,
+        "log_index": verified.log_index,
+        "tree_size": checkpoint.size,
+        "signers": list(verified.signers),
+        "summary": f"OK: replay {outcome} pre-registered output ({verified.outputs} outputs); pre-registration "
+        f"logged at index {verified.pre_registration_log_index} before the replay at {verified.log_index} "
+        f"(checkpoint size {checkpoint.size}), signed by {', '.join(verified.signers)}",
     }
 
 
@@ -168,6 +211,20 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("record", type=Path, help="the record directory (record.dsse.json and logits/)")
     ex.add_argument("--trusted-keys", type=Path, required=True, help="trusted-keys JSON file")
     ex.set_defaults(run=_cmd_exactness)
+
+    ev = sub.add_parser("eval", help="re-check an evaluation record: hashes, grades and aggregates")
+    ev.add_argument("record", type=Path, help="the record directory (record.dsse.json and outputs.jsonl)")
+    ev.add_argument("--dataset", type=Path, required=True, help="the dataset JSONL file the evaluation ran on")
+    ev.add_argument("--trusted-keys", type=Path, required=True, help="trusted-keys JSON file")
+    ev.set_defaults(run=_cmd_eval)
+
+    rp = sub.add_parser("replay", help="re-check a replay against its pre-registration and the log order")
+    rp.add_argument("replay", type=Path, help="the replay directory (record.dsse.json, outputs.jsonl, log.json)")
+    rp.add_argument("--pre-registration", type=Path, required=True, help="the pre-registration directory")
+    rp.add_argument("--trusted-keys", type=Path, required=True, help="trusted-keys JSON file")
+    rp.add_argument("--checkpoint", type=Path, required=True, help="the registry's signed checkpoint")
+    rp.add_argument("--registry-key", type=Path, required=True, help="the registry's Ed25519 public key (PEM)")
+    rp.set_defaults(run=_cmd_replay)
 
     add_log_parser(sub)
     return parser
