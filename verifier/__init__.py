@@ -32,6 +32,18 @@ from ._internal.errors import (
     UntrustedRootError,
     VerificationError,
 )
+from ._internal.evaluation import (
+    LOG_PROOF_FILE,
+    OUTPUTS_FILE,
+    OutputLine,
+    VerifiedEvaluation,
+    evaluation_aggregates,
+    output_hash,
+    outputs_file_bytes,
+    parse_outputs,
+    read_outputs,
+    verify_evaluation_record,
+)
 from ._internal.exactness import (
     LOGITS_DIR,
     RECORD_FILE,
@@ -72,6 +84,15 @@ from ._internal.keys import (
     trusted_key,
     write_atomic,
 )
+from ._internal.replay import (
+    EXPECTED_OUTPUTS_FILE,
+    VerifiedPreRegistration,
+    VerifiedReplay,
+    load_checkpoint,
+    verify_log_proof,
+    verify_pre_registration,
+    verify_replay,
+)
 from ._internal.subjects import verify_subjects
 from ._internal.tlog import (
     Checkpoint,
@@ -99,5 +120,9 @@ __all__ = [
     "save_private_key", "save_public_key", "sign_envelope", "sign_statement", "trusted_key",
     "Dataset", "DatasetKind", "Grade", "HarnessHashes", "extract_answer", "grade", "harness_hashes",
     "load_dataset", "normalize_number",
+    "EXPECTED_OUTPUTS_FILE", "LOG_PROOF_FILE", "OUTPUTS_FILE", "OutputLine", "VerifiedEvaluation",
+    "VerifiedPreRegistration", "VerifiedReplay", "evaluation_aggregates", "load_checkpoint", "output_hash",
+    "outputs_file_bytes", "parse_outputs", "read_outputs", "verify_evaluation_record", "verify_log_proof",
+    "verify_pre_registration", "verify_replay",
     "LOGITS_DIR", "RECORD_FILE", "LogitsComparison", "compare_logits", "logits_file_name", "read_logits", "verify_exactness_record", "verify_envelope", "verify_statement_envelope", "verify_subjects", "write_atomic",
 ]
