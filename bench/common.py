@@ -1,0 +1,176 @@
+"""Helpers every benchmark script shares: the machine description, versions, medians, timing
+and writing one JSON result per benchmark (atomically) under ``bench/results/``.
+
+The benchmarks are scripts, not library code: they report progress on stderr and write their
+figures as JSON; every run's figure is kept next to the median so a reader can judge the spread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+#: Where the engine caches converted models; the Makefile sets it, the default suits a checkout.
+os.environ.setdefault("KVGRAFT_HOME", str(ROOT / ".kvgraft-home"))
+
+#: Set by the runner (``bench/run.py --quick``): fewer repetitions and smaller sizes, to check that
+#: a script runs end to end; its figures are not the ones to quote.
+QUICK = os.environ.get("KVGRAFT_BENCH_QUICK") == "1"
+
+
+def say(message: str) -> None:
+    """Progress on stderr (the JSON file is the result)."""
+    sys.stderr.write(f"[bench {time.strftime('%H:%M:%S')}] {message}\n")
+    sys.stderr.flush()
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def _mem_total_gib() -> float | None:
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    return None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _tool_version(cmd: list[str]) -> str | None:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = (done.stdout or done.stderr).strip().splitlines()
+    return text[0] if text else None
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on: CPU, cores, memory, load, OS, library versions."""
+    load = os.getloadavg()
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_gib": _mem_total_gib(),
+        "load_average_1_5_15": [round(x, 2) for x in load],
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "versions": {
+            name: _version(name)
+            for name in ("kvgraft", "torch", "transformers", "numpy", "cryptography", "litestar", "duckdb", "uvicorn", "httpx",
+                         "llama_cpp_python", "matplotlib")
+        },
+        "tools": {
+            "nginx": _tool_version(["nginx", "-v"]),
+            "sha256sum": _tool_version(["sha256sum", "--version"]),
+        },
+        "quick": QUICK,
+    }
+
+
+def median(xs: list[float]) -> float:
+    """The median of a non-empty list."""
+    return float(statistics.median(xs))
+
+
+def percentile(xs: list[float], p: float) -> float:
+    """The ``p``-th percentile (0-100) by linear interpolation between closest ranks."""
+    s = sorted(xs)
+    if len(s) == 1:
+        return s[0]
+    k = (len(s) - 1) * p / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds one call of ``fn`` took, and what it returned."""
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    """Write ``bench/results/<name>.json`` (with the machine description) atomically."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "benchmark": name,
+        "measured_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": f".venv/bin/python bench/{name}.py",
+        "machine": machine(),
+        **payload,
+    }
+    path = RESULTS / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    say(f"wrote {path.relative_to(ROOT)}")
+    return path
+
+
+@contextlib.contextmanager
+def figure(name: str) -> Iterator[Any]:
+    """A matplotlib figure saved to ``bench/results/<name>.png`` on exit; skipped (with a note)
+    when matplotlib is not installed, since the JSON is the result and the plot a view of it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        say(f"matplotlib is not installed: no {name}.png (make bench installs it)")
+        yield None
+        return
+    fig = plt.figure(figsize=(7.5, 4.5), dpi=110)
+    try:
+        yield fig
+        fig.tight_layout()
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        fig.savefig(RESULTS / f"{name}.png")
+        say(f"wrote bench/results/{name}.png")
+    finally:
+        plt.close(fig)
+
+
+def corpus_text(n_chars: int) -> str:
+    """Deterministic English text of at least ``n_chars`` characters: GSM8K questions and worked
+    answers from the shipped dataset, in file order."""
+    parts: list[str] = []
+    total = 0
+    with open(ROOT / "data" / "datasets" / "gsm8k_test.jsonl", encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            piece = f"Question: {row['question']}\nAnswer: {row['answer']}\n\n"
+            parts.append(piece)
+            total += len(piece)
+            if total >= n_chars:
+                break
+    return "".join(parts)
