@@ -74,3 +74,20 @@ def test_registry_envelope_with_huge_integer_was_500(tmp_path: Path, rkeys: dict
         assert r.headers["content-type"].startswith("application/problem+json")
         assert r.json()["type"].endswith("/malformed-envelope")
         assert "number too long to read" in r.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [(b"9" * 5000, "number too long to read"), (b"[" * 100_000 + b"]" * 100_000, "nests arrays or objects too deeply")],
+    ids=["huge-integer", "deep-nesting"],
+)
+def test_sigstore_bundle_huge_integer_or_deep_nesting_escaped_as_value_or_recursion_error(
+    tmp_path: Path, document: bytes, message: str
+) -> None:
+    # Was: the bundle reader caught only UnicodeDecodeError and JSONDecodeError.
+    from kvgraft.verifier._internal.bundles import CertificateIdentity, verify_bundle
+
+    bundle = tmp_path / "b.sigstore.json"
+    bundle.write_bytes(document)
+    with pytest.raises(MalformedInputError, match=message):
+        verify_bundle(bundle, "sha256:" + "0" * 64, CertificateIdentity("a@b", "https://issuer"))

@@ -197,6 +197,12 @@ def _parse_json(raw: bytes, what: str) -> dict[str, object]:
         raise MalformedInputError(f"{what} is not UTF-8 text") from e
     except json.JSONDecodeError as e:
         raise MalformedInputError(f"{what} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from e
+    except ValueError as e:
+        # Integers longer than sys.get_int_max_str_digits() digits.
+        raise MalformedInputError(f"{what} holds a number too long to read ({e})") from e
+    except RecursionError as e:
+        # Thousands of nested arrays exhaust json's recursion; no bundle nests that deep.
+        raise MalformedInputError(f"{what} nests arrays or objects too deeply to be a bundle") from e
     if not isinstance(document, dict):
         raise MalformedInputError(f"{what} must be a JSON object, got {type(document).__name__}")
     return document
@@ -826,7 +832,7 @@ def _verify_promise(entry: _LogEntry, log: _LogKey) -> None:
 def _check_entry_body(entry: _LogEntry, parts: _BundleParts, artifact: _Artifact, signer: _Signer) -> None:
     try:
         body = json.loads(entry.body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise LogEntryError("the log entry body is not JSON") from e
     if not isinstance(body, dict):
         raise LogEntryError("the log entry body is not a JSON object")
@@ -1302,7 +1308,7 @@ def _check_statement(envelope: _Envelope, artifact: _Artifact) -> None:
         )
     try:
         statement = json.loads(envelope.payload)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise MalformedInputError("the DSSE payload is not JSON") from e
     if not isinstance(statement, dict):
         raise MalformedInputError("the DSSE payload is not a JSON object")
