@@ -39,6 +39,7 @@ from .ranges import if_range_allows, none_match, parse_range
 from .security import add_security_headers
 from .service import Page, Registry
 from .settings import RegistrySettings
+from .ui import static_router, ui_router
 
 logger = logging.getLogger("kvgraft.registry")
 
@@ -507,7 +508,8 @@ def create_app(data_dir: Path, settings: RegistrySettings | None = None) -> Lite
             logger.info("registry %s closed", data_dir)
 
     return Litestar(
-        route_handlers=ROUTES,
+        # The API under /v1 and /schema; the provenance browser under / and its assets under /static.
+        route_handlers=[*ROUTES, ui_router(), static_router()],
         lifespan=[lifespan],
         # Security headers (CSP and friends) on every response, errors and 404s included.
         before_send=[add_security_headers],

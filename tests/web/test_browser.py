@@ -1,0 +1,158 @@
+"""The provenance browser in a real Chromium (Debian's, headless) driven by Playwright.
+
+Walks the path an auditor takes (overview, search, an artifact, its lineage, a record), saves a
+screenshot of each page under test-artifacts/web/, and checks on every page that the CSP
+header came with it, that the browser reported no CSP violation, and that hostile entry text
+is shown as text, never run.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgraft.registry._internal.security import CONTENT_SECURITY_POLICY
+from tests.registry.conftest import Server
+
+from .conftest import HOSTILE_MODEL, HOSTILE_TEXT, IMG, SCREENSHOTS, SCRIPT, World
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync",
+]
+
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium; .ci/run does)"
+)
+
+
+class Browser:
+    """One page in headless Chromium that records what the checks need about every navigation."""
+
+    def __init__(self, page: Any, base: str) -> None:
+        self.page = page
+        self.base = base
+        self.documents: list[tuple[str, dict[str, str]]] = []
+        self.dialogs: list[str] = []
+        self.console: list[str] = []
+        self.external: list[str] = []
+        page.on("response", self._response)
+        page.on("dialog", self._dialog)
+        page.on("console", lambda m: self.console.append(m.text))
+        page.on("request", lambda r: None if r.url.startswith(base) or r.url.startswith("data:") else self.external.append(r.url))
+
+    def _response(self, response: Any) -> None:
+        if response.request.resource_type in ("document", "stylesheet", "script"):
+            self.documents.append((response.url, response.all_headers()))
+
+    def _dialog(self, dialog: Any) -> None:
+        self.dialogs.append(dialog.message)
+        dialog.dismiss()
+
+    def shot(self, name: str) -> Path:
+        path = SCREENSHOTS / f"{name}.png"
+        self.page.screenshot(path=str(path), full_page=True)
+        return path
+
+
+@pytest.fixture(scope="module")
+def browser(live: tuple[Server, World]) -> Iterator[Browser]:
+    from playwright.sync_api import sync_playwright
+
+    server, _ = live
+    if SCREENSHOTS.exists():
+        shutil.rmtree(SCREENSHOTS)
+    SCREENSHOTS.mkdir(parents=True)
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            context = chromium.new_context(viewport={"width": 1280, "height": 900})
+            context.set_default_timeout(15_000)
+            yield Browser(context.new_page(), server.url)
+        finally:
+            chromium.close()
+
+
+def test_an_auditor_walks_from_the_overview_to_a_record(browser: Browser, live: tuple[Server, World]) -> None:
+    server, world = live
+    page = browser.page
+
+    page.goto(server.url + "/")
+    assert page.locator(".stat").first.inner_text().split()[0] == "5"  # artifacts
+    assert "Latest checkpoint" in page.inner_text("main")
+    browser.shot("01-overview")
+
+    page.fill("header form.search input[name=q]", "chlorophyll")
+    page.click("header form.search button")
+    page.wait_for_url(re.compile(r"/artifacts\?q=chlorophyll"))
+    assert page.inner_text("#result-count").startswith("1 artifact matches")
+    browser.shot("02-search")
+
+    page.click(f"#artifacts a[href='/artifacts/{world.middle.digest}']")
+    page.wait_for_url(f"**/artifacts/{world.middle.digest}")
+    assert "signature verified" in page.inner_text(".verdicts")
+    assert world.middle.statement.predicate.source_text.text in page.inner_text("#text")
+    assert "kvgraft-verify envelope art/statement.dsse.json" in page.inner_text("#verify")
+    assert page.locator("svg.lineage a").count() == 2  # the root and the leaf are links
+    browser.shot("03-artifact")
+
+    page.click(f"svg.lineage a[href='/artifacts/{world.root.digest}']")
+    page.wait_for_url(f"**/artifacts/{world.root.digest}")
+    children = page.locator("a.lineage-child")
+    assert sorted(children.all_inner_texts()) == sorted(
+        [a.digest[:19] + "\u2026" for a in (world.middle, world.sibling)]
+    )
+    browser.shot("04-lineage-root")
+
+    page.click(f"a.record-link[href='/records/{world.exactness_digest}']")
+    page.wait_for_url(f"**/records/{world.exactness_digest}")
+    assert "summary matches the samples" in page.inner_text(".verdicts")
+    assert page.locator("svg.plot circle").count() == 4  # two samples, exact and shifted
+    assert "shifted (shift 3)" in page.inner_text("#samples")
+    browser.shot("05-exactness-record")
+
+    page.goto(f"{server.url}/records/{world.evaluation_digest}")
+    assert "aggregates match the items" in page.inner_text(".verdicts")
+    assert "Natalia" in page.inner_text("#items") or page.locator("#items tbody tr").count() == 3
+    browser.shot("06-evaluation-record")
+
+    page.goto(server.url + "/log")
+    assert page.locator("#checkpoints tbody tr").count() == world.entries + 1
+    browser.shot("07-log")
+
+    page.goto(server.url + "/publishers")
+    assert page.locator("section.card h2").all_inner_texts() == ["alice", "bob"]
+    browser.shot("08-publishers")
+
+    assert not browser.dialogs
+    assert not browser.external, f"pages fetched from outside the registry: {browser.external}"
+    assert not [m for m in browser.console if "Content Security Policy" in m], browser.console
+
+
+def test_hostile_entry_text_is_shown_as_text(browser: Browser, live: tuple[Server, World]) -> None:
+    server, world = live
+    page = browser.page
+    for url in (f"/artifacts/{world.hostile.digest}", "/artifacts?q=hostile", "/"):
+        page.goto(server.url + url)
+        assert page.locator("img[src=x]").count() == 0, url
+        assert page.locator("script:not([src])").count() == 0, url
+        body = page.inner_text("body")
+        assert SCRIPT in body and IMG in body, url
+    page.goto(f"{server.url}/artifacts/{world.hostile.digest}")
+    assert page.inner_text("#text pre") == HOSTILE_TEXT
+    assert HOSTILE_MODEL in page.inner_text("#statement")
+    browser.shot("09-hostile-entry")
+    assert not browser.dialogs, f"a hostile string ran: {browser.dialogs}"
+
+
+def test_every_page_came_with_the_content_security_policy(browser: Browser) -> None:
+    assert len(browser.documents) >= 10
+    for url, headers in browser.documents:
+        assert headers.get("content-security-policy") == CONTENT_SECURITY_POLICY, url
+        assert headers.get("x-content-type-options") == "nosniff", url

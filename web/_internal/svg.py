@@ -1,0 +1,158 @@
+"""Server-side SVG drawings: the lineage chain of an artifact and the KL-per-sample plot.
+
+Drawn as text so that pages need no JavaScript and no image requests; every label and link is
+escaped here because the result is marked safe for the templates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from markupsafe import Markup, escape
+
+_NODE_W = 168
+_NODE_H = 54
+_GAP = 46
+_PAD = 12
+
+
+@dataclass(frozen=True)
+class LineageNode:
+    """One box of the lineage chain: an artifact, or a marker standing for several hidden ones."""
+
+    title: str
+    subtitle: str
+    href: str | None
+    role: str  # "ancestor", "current", "child", "more" (a count of hidden artifacts) or "missing"
+
+
+def _box(node: LineageNode, x: float, y: float) -> str:
+    label = escape(node.title)
+    sub = escape(node.subtitle)
+    body = (
+        f'<rect class="node node-{escape(node.role)}" x="{x:.0f}" y="{y:.0f}" width="{_NODE_W}" height="{_NODE_H}" rx="6"/>'
+        f'<text class="node-title" x="{x + _NODE_W / 2:.0f}" y="{y + 22:.0f}">{label}</text>'
+        f'<text class="node-sub" x="{x + _NODE_W / 2:.0f}" y="{y + 40:.0f}">{sub}</text>'
+    )
+    if node.href is None:
+        return f"<g>{body}</g>"
+    return f'<a href="{escape(node.href)}" class="node-link"><title>{label} {sub}</title>{body}</a>'
+
+
+def _arrow(x1: float, y1: float, x2: float, y2: float) -> str:
+    return f'<path class="edge" d="M{x1:.0f},{y1:.0f} C{(x1 + x2) / 2:.0f},{y1:.0f} {(x1 + x2) / 2:.0f},{y2:.0f} {x2 - 6:.0f},{y2:.0f}" marker-end="url(#arrow)"/>'
+
+
+def lineage_svg(chain: Sequence[LineageNode], current: LineageNode, children: Sequence[LineageNode]) -> Markup:
+    """The chain root ... parent -> current -> children, left to right, children stacked.
+
+    ``chain`` runs from the root to the direct parent (markers for hidden stretches included);
+    each box links to its artifact page.
+    """
+    columns = len(chain) + 1 + (1 if children else 0)
+    rows = max(1, len(children))
+    width = _PAD * 2 + columns * _NODE_W + (columns - 1) * _GAP
+    height = _PAD * 2 + rows * _NODE_H + (rows - 1) * 14
+    mid = height / 2 - _NODE_H / 2
+    parts = [
+        f'<svg class="lineage" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height:.0f}" '
+        f'viewBox="0 0 {width} {height:.0f}" role="img" aria-label="lineage: {len(chain)} ancestor box(es), '
+        f'{len(children)} child box(es)">',
+        '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
+        'orient="auto-start-reverse"><path class="arrow-head" d="M0,0 L10,5 L0,10 z"/></marker></defs>',
+    ]
+    x = float(_PAD)
+    for node in chain:
+        parts.append(_box(node, x, mid))
+        parts.append(_arrow(x + _NODE_W, mid + _NODE_H / 2, x + _NODE_W + _GAP, mid + _NODE_H / 2))
+        x += _NODE_W + _GAP
+    parts.append(_box(current, x, mid))
+    cx = x + _NODE_W
+    x += _NODE_W + _GAP
+    for i, child in enumerate(children):
+        y = _PAD + i * (_NODE_H + 14)
+        parts.append(_arrow(cx, mid + _NODE_H / 2, x, y + _NODE_H / 2))
+        parts.append(_box(child, x, y))
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+@dataclass(frozen=True)
+class PlotSeries:
+    """Points (sample index, value) drawn in one style, named in the legend."""
+
+    name: str
+    css_class: str
+    points: Sequence[tuple[int, float]]
+
+
+def _nice_max(value: float) -> float:
+    if value <= 0 or not math.isfinite(value):
+        return 1.0
+    exponent = math.floor(math.log10(value))
+    for step in (1, 2, 5, 10):
+        top = step * 10.0**exponent
+        if top >= value:
+            return top
+    return 10.0 ** (exponent + 1)
+
+
+def kl_plot_svg(series: Sequence[PlotSeries], *, y_label: str = "KL(fresh || graft), nats") -> Markup:
+    """A dot plot of values per sample index, one colour per series, with axes and a legend.
+
+    The y axis starts at 0 so that exact samples (KL 0) lie on the axis; a series whose values
+    are all 0 is said so in the legend rather than hidden.
+    """
+    width, height = 880, 260
+    left, right, top, bottom = 64, 16, 28, 36
+    xs = [i for s in series for i, _ in s.points]
+    ys = [v for s in series for _, v in s.points if math.isfinite(v)]
+    x_max = max(xs, default=0)
+    y_max = _nice_max(max(ys, default=0.0))
+    span_x = max(x_max, 1)
+    plot_w, plot_h = width - left - right, height - top - bottom
+
+    def px(i: int) -> float:
+        return left + plot_w * (i / span_x if x_max else 0.5)
+
+    def py(v: float) -> float:
+        return top + plot_h * (1 - min(v, y_max) / y_max)
+
+    parts = [
+        f'<svg class="plot" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(y_label)} per sample">',
+        f'<rect class="plot-bg" x="{left}" y="{top}" width="{plot_w}" height="{plot_h}"/>',
+    ]
+    for k in range(5):
+        v = y_max * k / 4
+        y = py(v)
+        parts.append(f'<line class="grid" x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}"/>')
+        parts.append(f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{v:.3g}</text>')
+    ticks = sorted({0, x_max, *range(0, x_max + 1, max(1, _nice_step(x_max)))})
+    for i in ticks:
+        parts.append(f'<text class="tick" x="{px(i):.1f}" y="{top + plot_h + 16}" text-anchor="middle">{i}</text>')
+    parts.append(f'<text class="axis-label" x="{left + plot_w / 2:.0f}" y="{height - 4}" text-anchor="middle">sample index</text>')
+    parts.append(f'<text class="axis-label" x="{left}" y="{top - 10}">{escape(y_label)}</text>')
+    lx = left + plot_w
+    for n, s in enumerate(reversed(series)):
+        values = [v for _, v in s.points]
+        note = " (all 0)" if values and all(v == 0 for v in values) else ""
+        label = escape(f"{s.name}{note}")
+        parts.append(f'<text class="legend {escape(s.css_class)}" x="{lx}" y="{top - 10 - 14 * n}" text-anchor="end">\u25cf {label}</text>')
+    for s in series:
+        for i, v in s.points:
+            shown = v if math.isfinite(v) else y_max
+            parts.append(
+                f'<circle class="dot {escape(s.css_class)}" cx="{px(i):.1f}" cy="{py(shown):.1f}" r="3.5">'
+                f"<title>{escape(s.name)}: sample {i}, {v:.6g}</title></circle>"
+            )
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def _nice_step(x_max: int) -> int:
+    if x_max <= 10:
+        return 1
+    return int(_nice_max(x_max / 8))
