@@ -4,6 +4,7 @@ Verification functions return what they proved or raise a subclass of ``Verifica
 they never return a bool.
 """
 
+from ._internal.audit import AuditLine, AuditReport, audit_report
 from ._internal.dsse import (
     VerifiedEnvelope,
     b64decode_any,
@@ -120,7 +121,7 @@ __all__ = [
     "save_private_key", "save_public_key", "sign_envelope", "sign_statement", "trusted_key",
     "Dataset", "DatasetKind", "Grade", "HarnessHashes", "extract_answer", "grade", "harness_hashes",
     "load_dataset", "normalize_number",
-    "EXPECTED_OUTPUTS_FILE", "LOG_PROOF_FILE", "OUTPUTS_FILE", "OutputLine", "VerifiedEvaluation",
+    "AuditLine", "AuditReport", "audit_report", "EXPECTED_OUTPUTS_FILE", "LOG_PROOF_FILE", "OUTPUTS_FILE", "OutputLine", "VerifiedEvaluation",
     "VerifiedPreRegistration", "VerifiedReplay", "evaluation_aggregates", "load_checkpoint", "output_hash",
     "outputs_file_bytes", "parse_outputs", "read_outputs", "verify_evaluation_record", "verify_log_proof",
     "verify_pre_registration", "verify_replay",

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvgraft.schemas import InvalidDigestError, SchemaError, Sha256Digest, parse_sha256, sha256_bytes
 
+from ._internal.audit import audit_report
 from ._internal.dsse import read_envelope, verify_envelope, verify_statement_envelope
 from ._internal.errors import MalformedInputError, VerificationError
 from ._internal.evaluation import verify_evaluation_record
@@ -133,6 +134,26 @@ def _cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _cmd_audit(args: argparse.Namespace) -> dict[str, Any]:
+    report = audit_report(args.report)
+    lines = [line.render() for line in report.lines]
+    confirmed, refuted = len(report.confirmed), len(report.refuted)
+    ok = refuted == 0 and confirmed > 0
+    verdict = f"OK: audit of {args.report}: all {confirmed} checks confirmed" if ok else (
+        f"FAILED: audit of {args.report}: {refuted} refuted, {confirmed} confirmed"
+    )
+    return {
+        "ok": ok,
+        "verified": "audit",
+        "confirmed": [{"what": x.what, "value": x.detail} for x in report.confirmed],
+        "refuted": [{"what": x.what, "why": x.detail} for x in report.refuted],
+        # Read by main() when ok is false: the one line on stderr.
+        "error": "AuditRefuted",
+        "message": verdict.removeprefix("FAILED: "),
+        "summary": "\n".join([*lines, verdict]),
+    }
+
+
 def _artifact_arg(value: str) -> Path | Sha256Digest:
     # The conformance protocol: "sha256:<hex>" is a digest when it is well formed and no file
     # of that name exists; anything else is a path.
@@ -226,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--registry-key", type=Path, required=True, help="the registry's Ed25519 public key (PEM)")
     rp.set_defaults(run=_cmd_replay)
 
+    au = sub.add_parser("audit", help="re-check every record and number in a report folder; one line per number")
+    au.add_argument("report", type=Path, help="the report folder (see docs/records.md)")
+    au.set_defaults(run=_cmd_audit)
+
     add_log_parser(sub)
     return parser
 
@@ -244,10 +269,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("KVGRAFT_DEBUG"):
             raise
         return _fail(args, "InternalError", f"unexpected {type(e).__name__}: {e} (this is a bug in kvgraft-verify; set KVGRAFT_DEBUG=1 for a traceback and report it)")
+    # Only the audit reports failure as a result (it prints every line first); others raise.
+    ok = result.pop("ok", True)
+    error, message = result.pop("error", None), result.pop("message", None)
     if args.json:
-        sys.stdout.write(json.dumps({"ok": True, **result}, sort_keys=True) + "\n")
+        sys.stdout.write(json.dumps({"ok": ok, **result}, sort_keys=True) + "\n")
     else:
         sys.stdout.write(result["summary"] + "\n")
+    if not ok:
+        sys.stderr.write(f"kvgraft-verify: {error}: {message}\n")
+        return ExitCode.FAILED
     return ExitCode.OK
 
 

@@ -1,0 +1,323 @@
+"""Audit a report folder offline: every signature, digest, log proof, exactness record,
+evaluation and replay in it, and every number its summary claims.
+
+The audit does not stop at the first failure: each record is checked on its own and the
+result is a list of lines, ``CONFIRMED <what> <value>`` or ``REFUTED <what>: <why>``. The
+layout is in docs/records.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvgraft.schemas import ReplayStatement, SchemaError, Sha256Digest, Statement, parse_json, sha256_bytes
+
+from .dsse import parse_envelope, verify_statement_envelope
+from .errors import ClaimMismatchError, LogProofError, MalformedInputError, VerificationError
+from .evaluation import LOG_PROOF_FILE, MAX_ENVELOPE_BYTES, verify_evaluation_record
+from .exactness import RECORD_FILE, verify_exactness_record
+from .files import read_input
+from .grading import Dataset, load_dataset
+from .keys import TrustedKeys, load_trusted_keys
+from .replay import load_checkpoint, verify_log_proof, verify_pre_registration, verify_replay
+from .subjects import verify_subjects
+from .tlog import Checkpoint
+
+TRUSTED_KEYS_FILE = "trusted-keys.json"
+REGISTRY_KEY_FILE = "registry-key.pub.pem"
+CHECKPOINT_FILE = "checkpoint.txt"
+SUMMARY_FILE = "summary.json"
+ARTIFACT_ENVELOPE = "statement.dsse.json"
+RECORD_KINDS = ("artifacts", "exactness", "evaluations", "pre-registrations", "replays")
+
+_MAX_SUMMARY_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class AuditLine:
+    """One audited number or check: confirmed with its value, or refuted with the reason."""
+
+    confirmed: bool
+    what: str
+    detail: str
+
+    def render(self) -> str:
+        """The line as printed: ``CONFIRMED <what> <value>`` or ``REFUTED <what>: <why>``."""
+        return f"CONFIRMED {self.what} {self.detail}" if self.confirmed else f"REFUTED {self.what}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """Everything an audit confirmed and refuted, in the order it was checked."""
+
+    directory: Path
+    lines: tuple[AuditLine, ...]
+
+    @property
+    def confirmed(self) -> tuple[AuditLine, ...]:
+        """The confirmed lines."""
+        return tuple(line for line in self.lines if line.confirmed)
+
+    @property
+    def refuted(self) -> tuple[AuditLine, ...]:
+        """The refuted lines."""
+        return tuple(line for line in self.lines if not line.confirmed)
+
+    def require_all_confirmed(self) -> None:
+        """Raise ``ClaimMismatchError`` unless something was checked and nothing was refuted."""
+        if self.refuted:
+            first = self.refuted[0]
+            raise ClaimMismatchError(
+                f"the audit of {self.directory} refuted {len(self.refuted)} of {len(self.lines)} checks, "
+                f"first {first.what}: {first.detail}"
+            )
+        if not self.confirmed:
+            raise MalformedInputError(f"the audit of {self.directory} checked nothing", hint="pass a report folder (see docs/records.md)")
+
+
+def _show(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _field(data: Any, path: str) -> Any:
+    node = data
+    for part in path.split("."):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            raise ClaimMismatchError(f"the record has no field {path!r} (no {part!r})")
+    return node
+
+
+def _same(claimed: object, actual: object) -> bool:
+    def number(v: object) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    if number(claimed) and number(actual):
+        return claimed == actual
+    return type(claimed) is type(actual) and claimed == actual
+
+
+@dataclass
+class _Auditor:
+    root: Path
+    lines: list[AuditLine] = field(default_factory=list)
+    trusted: TrustedKeys | None = None
+    checkpoint: Checkpoint | None = None
+    datasets: dict[Sha256Digest, Dataset] = field(default_factory=dict)
+    #: relative record dir -> its verified predicate as JSON, for the summary's claims.
+    predicates: dict[str, Any] = field(default_factory=dict)
+
+    def ok(self, what: str, value: object) -> None:
+        self.lines.append(AuditLine(True, what, value if isinstance(value, str) else _show(value)))
+
+    def refute(self, what: str, why: str) -> None:
+        self.lines.append(AuditLine(False, what, " ".join(why.split())))
+
+    @contextlib.contextmanager
+    def check(self, what: str) -> Iterator[None]:
+        # One record's failure is one REFUTED line; the audit goes on with the others.
+        try:
+            yield
+        except VerificationError as e:
+            self.refute(what, f"{type(e).__name__}: {e.message}")
+        except SchemaError as e:
+            self.refute(what, f"MalformedInputError: {e}")
+
+    def rel(self, path: Path) -> str:
+        return path.relative_to(self.root).as_posix()
+
+    def records(self, kind: str) -> list[Path]:
+        base = self.root / kind
+        return sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+
+    # -- shared inputs ------------------------------------------------------------------
+
+    def load_inputs(self) -> None:
+        with self.check(TRUSTED_KEYS_FILE):
+            self.trusted = load_trusted_keys(self.root / TRUSTED_KEYS_FILE)
+            self.ok(TRUSTED_KEYS_FILE, f"{len(self.trusted.keys)} key(s): {', '.join(k.name for k in self.trusted.keys)}")
+        if (self.root / CHECKPOINT_FILE).exists():
+            with self.check(CHECKPOINT_FILE):
+                self.checkpoint = load_checkpoint(self.root / CHECKPOINT_FILE, self.root / REGISTRY_KEY_FILE)
+                self.ok(f"{CHECKPOINT_FILE} signed by {REGISTRY_KEY_FILE}, size", self.checkpoint.size)
+        for path in sorted((self.root / "datasets").glob("*.jsonl")):
+            with self.check(self.rel(path)):
+                ds = load_dataset(path)
+                self.datasets[ds.digest] = ds
+                self.ok(f"{self.rel(path)} digest", ds.digest)
+
+    def log_inclusion(self, record_dir: Path, envelope: Path, *, required: bool = False) -> int | None:
+        proof = record_dir / LOG_PROOF_FILE
+        if not proof.exists() and not required:
+            return None
+        what = f"{self.rel(record_dir)} log inclusion"
+        with self.check(what):
+            if self.checkpoint is None:
+                raise LogProofError(
+                    f"{self.rel(record_dir)} has a log proof but the report has no verified {CHECKPOINT_FILE}",
+                    hint=f"put the registry's signed {CHECKPOINT_FILE} and {REGISTRY_KEY_FILE} in the report",
+                )
+            data = read_input(envelope, "envelope", limit=MAX_ENVELOPE_BYTES)
+            index = verify_log_proof(data, proof, self.checkpoint, what=self.rel(envelope))
+            self.ok(f"{what}, index", index)
+            return index
+        return None
+
+    def signed(self, envelope: Path) -> tuple[Statement, tuple[str, ...]]:
+        if self.trusted is None:
+            raise MalformedInputError(f"no usable {TRUSTED_KEYS_FILE}, so no signature can be checked")
+        data = read_input(envelope, "envelope", limit=MAX_ENVELOPE_BYTES)
+        verified, statement = verify_statement_envelope(parse_envelope(data, source=f"envelope {envelope}"), self.trusted)
+        return statement, tuple(k.name for k in verified.signers)
+
+    def keys(self) -> TrustedKeys:
+        if self.trusted is None:
+            raise MalformedInputError(f"no usable {TRUSTED_KEYS_FILE}, so no signature can be checked")
+        return self.trusted
+
+    # -- records ------------------------------------------------------------------------
+
+    def artifact(self, d: Path) -> None:
+        name = self.rel(d)
+        with self.check(name):
+            statement, signers = self.signed(d / ARTIFACT_ENVELOPE)
+            verify_subjects(statement, d, exclude=[d / ARTIFACT_ENVELOPE, d / LOG_PROOF_FILE])
+            self.ok(f"{name} signed by", ", ".join(signers))
+            for s in statement.subject:
+                self.ok(f"{name} subject {s.name}", f"sha256:{s.digest.sha256}")
+            self.predicates[name] = statement.model_dump(mode="json", by_alias=True)["predicate"]
+        self.log_inclusion(d, d / ARTIFACT_ENVELOPE)
+
+    def exactness(self, d: Path) -> None:
+        name = self.rel(d)
+        with self.check(name):
+            # The record's subjects are its logits files; log.json sits beside them and is
+            # not one, so the record is checked in a copy without it.
+            with tempfile.TemporaryDirectory(prefix="kvgraft-audit-") as tmp:
+                copy = Path(tmp) / d.name
+                shutil.copytree(d, copy, ignore=lambda _dir, names: [n for n in names if n == LOG_PROOF_FILE and _dir == str(d)])
+                try:
+                    statement, signers = verify_exactness_record(copy, self.keys())
+                except VerificationError as e:
+                    raise type(e)(e.message.replace(str(copy), str(d)), hint=e.hint) from e
+            s = statement.predicate.summary
+            self.ok(f"{name} signed by", ", ".join(signers))
+            self.ok(f"{name} level", statement.predicate.level)
+            for key in ("samples", "bitwise_equal", "argmax_agree_all", "max_kl_divergence", "mean_argmax_agreement"):
+                self.ok(f"{name} {key}", getattr(s, key))
+            self.predicates[name] = statement.model_dump(mode="json", by_alias=True)["predicate"]
+        self.log_inclusion(d, d / RECORD_FILE)
+
+    def evaluation(self, d: Path) -> None:
+        name = self.rel(d)
+        with self.check(name):
+            verified = verify_evaluation_record(d, self.datasets, self.keys())
+            p = verified.statement.predicate
+            self.ok(f"{name} signed by", ", ".join(verified.signers))
+            self.ok(f"{name} dataset", f"{p.dataset.name} {p.dataset.digest}")
+            for key in ("items", "correct", "accuracy", "prompt_tokens", "decode_tokens"):
+                self.ok(f"{name} {key}", getattr(p.aggregates, key))
+            self.predicates[name] = verified.statement.model_dump(mode="json", by_alias=True)["predicate"]
+        self.log_inclusion(d, d / RECORD_FILE)
+
+    def pre_registration(self, d: Path) -> None:
+        name = self.rel(d)
+        with self.check(name):
+            verified = verify_pre_registration(d, self.keys())
+            self.ok(f"{name} signed by", ", ".join(verified.signers))
+            self.ok(f"{name} expected outputs", len(verified.statement.predicate.expected_output_hashes))
+            self.predicates[name] = verified.statement.model_dump(mode="json", by_alias=True)["predicate"]
+        self.log_inclusion(d, d / RECORD_FILE, required=True)
+
+    def replay(self, d: Path, preregs: dict[Sha256Digest, Path]) -> None:
+        name = self.rel(d)
+        with self.check(name):
+            statement, _ = self.signed(d / RECORD_FILE)
+            if not isinstance(statement, ReplayStatement):
+                raise MalformedInputError(f"{self.rel(d / RECORD_FILE)} is a {statement.predicate_type} statement, not a replay record")
+            digest = statement.predicate.pre_registration.envelope_digest
+            prereg = preregs.get(digest)
+            if prereg is None:
+                raise ClaimMismatchError(
+                    f"the replay answers to pre-registration {digest}, which is not among the report's pre-registrations",
+                    hint="put the pre-registration this replay names in pre-registrations/",
+                )
+            if self.checkpoint is None:
+                raise LogProofError(f"a replay needs the log's order, but the report has no verified {CHECKPOINT_FILE}")
+            verified = verify_replay(d, prereg, self.keys(), self.checkpoint)
+            self.ok(f"{name} signed by", ", ".join(verified.signers))
+            self.ok(f"{name} answers", self.rel(prereg))
+            self.ok(f"{name} log inclusion, index", verified.log_index)
+            self.ok(f"{name} log order", f"pre-registration at {verified.pre_registration_log_index} < replay at {verified.log_index}")
+            self.ok(f"{name} outputs", verified.outputs)
+            self.ok(f"{name} reproduced", verified.reproduced)
+            self.predicates[name] = verified.statement.model_dump(mode="json", by_alias=True)["predicate"]
+
+    def summary(self) -> None:
+        path = self.root / SUMMARY_FILE
+        if not path.exists():
+            return
+        claims: object = None
+        with self.check(SUMMARY_FILE):
+            doc = parse_json(read_input(path, "summary", limit=_MAX_SUMMARY_BYTES), what=SUMMARY_FILE)
+            claims = doc.get("claims") if isinstance(doc, dict) else None
+            if not isinstance(claims, list):
+                raise MalformedInputError(f'{SUMMARY_FILE} is not {{"claims": [...]}}')
+        if not isinstance(claims, list):
+            return
+        for n, claim in enumerate(claims):
+            if not isinstance(claim, dict) or not {"what", "value", "source", "field"} <= set(claim):
+                self.refute(f"{SUMMARY_FILE} claim {n}", "MalformedInputError: a claim needs what, value, source and field")
+                continue
+            what = str(claim["what"])
+            source, path_ = str(claim["source"]).strip("/"), str(claim["field"])
+            if source not in self.predicates:
+                self.refute(what, f"its source {source} is not a record that verified in this report")
+                continue
+            with self.check(what):
+                actual = _field(self.predicates[source], path_)
+                if not _same(claim["value"], actual):
+                    raise ClaimMismatchError(
+                        f"the summary claims {_show(claim['value'])}, but {source} {path_} is {_show(actual)}"
+                    )
+                self.ok(what, claim["value"])
+
+
+def audit_report(directory: Path) -> AuditReport:
+    """Audit the report folder at ``directory``; return every line confirmed or refuted.
+
+    Raises ``MalformedInputError`` only when ``directory`` is not a folder; every other failure
+    is a refuted line.
+    """
+    if not directory.is_dir():
+        raise MalformedInputError(f"report folder {directory} does not exist or is not a directory")
+    a = _Auditor(directory)
+    a.load_inputs()
+    found = {kind: a.records(kind) for kind in RECORD_KINDS}
+    if not any(found.values()):
+        a.refute(directory.name or str(directory), f"no records to audit (none of {', '.join(RECORD_KINDS)} holds a record)")
+    for d in found["artifacts"]:
+        a.artifact(d)
+    for d in found["exactness"]:
+        a.exactness(d)
+    for d in found["evaluations"]:
+        a.evaluation(d)
+    preregs: dict[Sha256Digest, Path] = {}
+    for d in found["pre-registrations"]:
+        a.pre_registration(d)
+        if (d / RECORD_FILE).is_file():
+            preregs[sha256_bytes((d / RECORD_FILE).read_bytes())] = d
+    for d in found["replays"]:
+        a.replay(d, preregs)
+    a.summary()
+    return AuditReport(directory, tuple(a.lines))
