@@ -48,6 +48,7 @@ from kvgraft.verifier import (
     TrustedKeys,
     VerificationError,
     b64decode_any,
+    harness_hashes,
     load_dataset,
     parse_envelope,
     verify_envelope,
@@ -292,7 +293,15 @@ def overview_context(registry: Registry) -> dict[str, Any]:
         publishers = _query(registry, "SELECT count(*) FROM publishers")[0][0]
         keys = _query(registry, "SELECT count(*) FROM publisher_keys")[0][0]
         recent = _entry_rows(registry, "TRUE", [], RECENT)
+        record_indices = [e["log_index"] for e in recent if e["kind"] != "artifact"]
+        envelopes = dict(
+            _query(registry, f"SELECT log_index, envelope FROM entries WHERE log_index IN ({', '.join('?' for _ in record_indices)})",
+                   record_indices)
+        ) if record_indices else {}
         head = registry.head
+    for e in recent:
+        if e["log_index"] in envelopes:
+            e["summary"] = _record_summary(e["kind"], _payload_json(bytes(envelopes[e["log_index"]])))
     records = sum(int(counts.get(k, 0)) for k in RECORD_KINDS)
     return {
         "counts": {k: int(v) for k, v in counts.items()},
@@ -582,7 +591,8 @@ def _exactness_context(registry: Registry, entry: dict[str, Any], statement: Exa
         companions.append({"log_index": int(index), "level": op.level, "shift": op.shift, "by_prefix": by_prefix,
                            "label": f"{op.level}" + (f" (shift {op.shift})" if op.shift else "") + f", entry {index}"})
     companions = companions[:2]
-    label = p.level + (f" (shift {p.shift})" if p.shift else "") + ", this record"
+    level = p.level + (f" (shift {p.shift})" if p.shift else "")
+    label = level + ", this record"
     series = [PlotSeries(label, "s0", [(s.index, s.kl_divergence) for s in samples])]
     for n, c in enumerate(companions, start=1):
         pts = [(s.index, c["by_prefix"][s.prefix_artifact].kl_divergence) for s in samples if s.prefix_artifact in c["by_prefix"]]
@@ -603,6 +613,7 @@ def _exactness_context(registry: Registry, entry: dict[str, Any], statement: Exa
         "summary_rows": [(k, claimed[k], recomputed[k], _same(claimed[k], recomputed[k])) for k in recomputed],
         "summary_ok": all(_same(claimed[k], recomputed[k]) for k in recomputed),
         "label": label,
+        "level": level,
     }
 
 
@@ -618,9 +629,12 @@ def _evaluation_context(statement: EvaluationStatement) -> dict[str, Any]:
     items = []
     for item in p.items:
         question = None
+        doc_matches = None
         if dataset is not None and 0 <= item.doc_id < len(dataset):
             question = dataset.question(item.doc_id)
-        items.append({"item": item, "question": question})
+            # The harness's doc hash: says whether the signed item is about this very document.
+            doc_matches = harness_hashes(dataset.docs[item.doc_id], "", "").doc_hash == item.doc_hash
+        items.append({"item": item, "question": question, "doc_matches": doc_matches})
     n = len(p.items)
     correct = sum(i.correct for i in p.items)
     recomputed = {

@@ -28,6 +28,7 @@ from kvgraft.schemas import (
     hex_of,
     sha256_bytes,
 )
+from kvgraft.verifier import harness_hashes, load_dataset
 from tests.registry.conftest import (
     REPO,
     Artifact,
@@ -99,10 +100,11 @@ def _exactness(prefixes: list[Artifact], *, shift: int, kls: list[float]) -> tup
 
 
 def _evaluation(library: Artifact) -> tuple[EvaluationStatement, bytes]:
+    docs = load_dataset(GSM8K).docs
     outputs = b'{"doc_id": 0, "output": "18"}\n{"doc_id": 1, "output": "3"}\n{"doc_id": 2, "output": "7"}\n'
     items = [
         EvaluationItem(
-            doc_id=i, doc_hash=hex_of(sha256_bytes(f"doc{i}".encode())), prompt_hash=hex_of(sha256_bytes(f"p{i}".encode())),
+            doc_id=i, doc_hash=harness_hashes(docs[i], "", "").doc_hash, prompt_hash=hex_of(sha256_bytes(f"p{i}".encode())),
             target_hash=hex_of(sha256_bytes(f"t{i}".encode())), output_hash=hex_of(sha256_bytes(f"o{i}".encode())),
             extracted_answer=answer, correct=correct, prompt_tokens=100 + i, decode_tokens=20 + i,
             library_entry=library.digest if i == 0 else None,

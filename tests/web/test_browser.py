@@ -119,7 +119,9 @@ def test_an_auditor_walks_from_the_overview_to_a_record(browser: Browser, live: 
 
     page.goto(f"{server.url}/records/{world.evaluation_digest}")
     assert "aggregates match the items" in page.inner_text(".verdicts")
-    assert "Natalia" in page.inner_text("#items") or page.locator("#items tbody tr").count() == 3
+    items = page.inner_text("#items")
+    assert "Janet\u2019s ducks lay 16 eggs per day" in items  # GSM8K test doc 0, shown from the shipped file
+    assert items.count("\u2714 matches doc") == 3
     browser.shot("06-evaluation-record")
 
     page.goto(server.url + "/log")

@@ -105,17 +105,20 @@ def kl_plot_svg(series: Sequence[PlotSeries], *, y_label: str = "KL(fresh || gra
     The y axis starts at 0 so that exact samples (KL 0) lie on the axis; a series whose values
     are all 0 is said so in the legend rather than hidden.
     """
-    width, height = 880, 260
-    left, right, top, bottom = 64, 16, 28, 36
+    width = 880
+    left, right, bottom = 64, 16, 36
+    # The legend sits above the plot, one line per series, so it never covers a point.
+    top = 30 + 16 * len(series)
+    height = top + 200 + bottom
     xs = [i for s in series for i, _ in s.points]
     ys = [v for s in series for _, v in s.points if math.isfinite(v)]
     x_max = max(xs, default=0)
     y_max = _nice_max(max(ys, default=0.0))
-    span_x = max(x_max, 1)
     plot_w, plot_h = width - left - right, height - top - bottom
 
     def px(i: int) -> float:
-        return left + plot_w * (i / span_x if x_max else 0.5)
+        # Half a step of margin at both ends keeps the first and last points off the frame.
+        return left + plot_w * (i + 0.5) / (x_max + 1)
 
     def py(v: float) -> float:
         return top + plot_h * (1 - min(v, y_max) / y_max)
@@ -134,13 +137,12 @@ def kl_plot_svg(series: Sequence[PlotSeries], *, y_label: str = "KL(fresh || gra
     for i in ticks:
         parts.append(f'<text class="tick" x="{px(i):.1f}" y="{top + plot_h + 16}" text-anchor="middle">{i}</text>')
     parts.append(f'<text class="axis-label" x="{left + plot_w / 2:.0f}" y="{height - 4}" text-anchor="middle">sample index</text>')
-    parts.append(f'<text class="axis-label" x="{left}" y="{top - 10}">{escape(y_label)}</text>')
-    lx = left + plot_w
-    for n, s in enumerate(reversed(series)):
+    parts.append(f'<text class="axis-label" x="{left}" y="{top - 8}">{escape(y_label)}</text>')
+    for n, s in enumerate(series):
         values = [v for _, v in s.points]
         note = " (all 0)" if values and all(v == 0 for v in values) else ""
         label = escape(f"{s.name}{note}")
-        parts.append(f'<text class="legend {escape(s.css_class)}" x="{lx}" y="{top - 10 - 14 * n}" text-anchor="end">\u25cf {label}</text>')
+        parts.append(f'<text class="legend {escape(s.css_class)}" x="{left + plot_w}" y="{14 + 16 * n}" text-anchor="end">\u25cf {label}</text>')
     for s in series:
         for i, v in s.points:
             shown = v if math.isfinite(v) else y_max
