@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvgraft.flywheel_cli import add_flywheel_commands
 from kvgraft.registry.cli import add_registry_commands
 from kvgraft.registry.client_cli import add_client_commands
 from kvgraft.schemas import (
@@ -336,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--profile", default="cpu-fp32")
     ex.set_defaults(run=_cmd_exactness)
 
+    add_flywheel_commands(sub)
     add_registry_commands(sub)
     add_client_commands(sub)
     return parser

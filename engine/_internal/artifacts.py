@@ -270,9 +270,14 @@ def load_artifact(
     profile: DeterminismProfile,
     *,
     trusted: TrustedKeys | None = None,
+    parent: LoadedArtifact | None = None,
     _depth: int = 0,
 ) -> LoadedArtifact:
-    """Load and check an artifact and its parent chain for grafting into ``model``/``profile``."""
+    """Load and check an artifact and its parent chain for grafting into ``model``/``profile``.
+
+    ``parent``: an already loaded (and so already checked) artifact to use as the parent when the
+    statement names its digest, instead of finding and re-reading it (a library's shared prefix).
+    """
     if not directory.is_dir():
         raise ArtifactError(f"artifact directory {directory} does not exist or is not a directory")
     if _depth > 10_000:
@@ -296,9 +301,13 @@ def load_artifact(
         artifact_model=p.model, model=model.ref, artifact_tokenizer=p.tokenizer_digest, tokenizer=model.tokenizer_digest,
         artifact_profile=p.profile, profile=profile,
     )
-    parent = None
-    if p.parent is not None:
+    if p.parent is None:
+        parent = None
+    elif parent is not None and parent.kv_digest == p.parent:
+        pass  # checked when it was loaded; the chain key below still ties it to this artifact
+    else:
         parent = load_artifact(find_artifact(p.parent, directory), model, profile, trusted=trusted, _depth=_depth + 1)
+    if parent is not None:
         expected_key = chain_key(parent.statement.predicate.chain_key, p.model, p.tokenizer_digest, p.profile, p.tokens.ids)
         if parent.statement.predicate.positions.end != p.positions.start or expected_key != p.chain_key:
             raise ArtifactError(f"{directory}: its parent {p.parent} does not lead to it (positions or chain key differ)", hint="wrong parent")

@@ -57,3 +57,15 @@ class InputTextError(EngineError):
     """An input text file is missing, unreadable, empty, or too long for the model."""
 
     default_hint = "pass a UTF-8 text file that tokenizes to at least one token"
+
+
+class LibraryError(EngineError):
+    """A knowledge library cannot be created, read or used as asked."""
+
+    default_hint = "check the --library directory; 'kvgraft library deposit' creates one"
+
+
+class EvaluationError(EngineError):
+    """An evaluation, pre-registration or replay cannot run as asked."""
+
+    default_hint = "check the dataset, the output directory and the options named in the message"

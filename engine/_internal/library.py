@@ -1,0 +1,462 @@
+"""The knowledge library: verified worked solutions stored as KV artifacts, found and grafted.
+
+A library directory::
+
+    LIB/library.json          model, profile, dataset kind, instruction text, prefix artifact digest
+    LIB/prefix/               the shared instruction prefix, a root artifact
+    LIB/entries/<hash16>/     one artifact per deposited problem, a child of the prefix
+    LIB/index.jsonl           one line per entry: problem hash, problem text, answer, artifact digest
+
+Deposit runs each (problem, solution) pair through the model once, after the shared prefix,
+and only when the verifier's grader confirms the solution's final answer against the dataset's
+key. Ask finds an entry (the normalized problem's sha256 first, then TF-IDF cosine over words),
+grafts prefix + entry at their own positions, and decodes only what is missing: for a deposited
+problem, the few tokens that restate the final answer; for a new problem, the new solution with
+the retrieved worked example in context. The store grows without bound on disk; memory holds one
+entry's KV at a time plus the index.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvgraft.schemas import DeterminismProfile, DocumentError, Sha256Digest, canonical_json, parse_json, sha256_bytes
+from kvgraft.verifier import Dataset, TrustedKeys, extract_answer, grade
+
+from .artifacts import LoadedArtifact, load_artifact
+from .errors import LibraryError
+from .kvstate import KVState
+from .models import LoadedModel
+from .ops import capture
+from .profiles import applied
+
+LIBRARY_FILE = "library.json"
+INDEX_FILE = "index.jsonl"
+PREFIX_DIR = "prefix"
+ENTRIES_DIR = "entries"
+FORMAT = "kvgraft-library/v1"
+
+INSTRUCTION = (
+    "You are a careful mathematician. Each problem below is followed by a worked solution that "
+    "ends with its final answer in \\boxed{}.\n\n"
+)
+#: After a deposited problem's own entry: the model restates the final answer it has in context.
+RECALL_SUFFIX = "The final answer to the problem above is \\boxed{"
+#: How much a deposited problem's answer may cost at most.
+RECALL_MAX_TOKENS = 16
+
+_WORD = re.compile(r"[a-z0-9]+")
+_CALCULATOR = re.compile(r"<<[^<>]*>>")
+
+
+def normalize_problem(text: str) -> str:
+    """The problem text compared for exact hits: lower case, whitespace collapsed."""
+    return " ".join(text.lower().split())
+
+
+def problem_hash(text: str) -> str:
+    """sha256 hex of the normalized problem text."""
+    return sha256_bytes(normalize_problem(text).encode("utf-8")).removeprefix("sha256:")
+
+
+def entry_text(problem: str, solution: str, answer: str) -> str:
+    """The text one entry holds: the problem, its worked solution, its boxed final answer."""
+    return f"Problem: {problem.strip()}\nSolution: {solution.strip()}\nFinal answer: \\boxed{{{answer}}}\n\n"
+
+
+def question_text(problem: str) -> str:
+    """The text a new problem is asked with, after the instruction (and an entry, if any)."""
+    return f"Problem: {problem.strip()}\nSolution:"
+
+
+def clean_solution(solution: str) -> str:
+    """GSM8K's worked solutions carry calculator annotations ``<<3*4=12>>``; keep the prose."""
+    return _CALCULATOR.sub("", solution).strip()
+
+
+# --- energy -------------------------------------------------------------------------------------
+
+_RAPL = Path("/sys/class/powercap/intel-rapl:0/energy_uj")
+#: Joules per FLOP assumed for an estimate: 100 GFLOP/J is far above what a CPU reaches in
+#: eager fp32 inference, so estimates are optimistic lower bounds, and said to be estimates.
+_JOULES_PER_FLOP = 1e-11
+
+
+class EnergyMeter:
+    """Energy over a span: read from the package's RAPL counter when readable, else estimated
+    from FLOPs (2 x parameters per token processed), and labelled as such."""
+
+    def __init__(self, parameters: int) -> None:
+        self.parameters = parameters
+        self._start: int | None = None
+
+    @staticmethod
+    def _read() -> int | None:
+        try:
+            return int(_RAPL.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def start(self) -> None:
+        """Begin a span."""
+        self._start = self._read()
+
+    def stop(self, tokens: int) -> tuple[float, str]:
+        """Joules over the span and how they were obtained (``measured`` or ``estimated``)."""
+        end = self._read()
+        if self._start is not None and end is not None and end >= self._start:
+            return (end - self._start) / 1e6, "measured"
+        return 2.0 * self.parameters * tokens * _JOULES_PER_FLOP, "estimated"
+
+
+# --- the index --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One deposited problem."""
+
+    problem_hash: str
+    problem: str
+    answer: str
+    artifact: Sha256Digest
+    directory: str
+    tokens: int
+    doc_index: int
+    dataset: str
+
+    def to_json(self) -> dict[str, Any]:
+        """The index line's object."""
+        return {
+            "problem_hash": self.problem_hash, "problem": self.problem, "answer": self.answer, "artifact": self.artifact,
+            "directory": self.directory, "tokens": self.tokens, "doc_index": self.doc_index, "dataset": self.dataset,
+        }
+
+
+@dataclass(frozen=True)
+class Hit:
+    """The entry found for a question and how: ``exact`` (same normalized problem) or ``similar``."""
+
+    entry: Entry
+    method: str
+    score: float
+
+
+@dataclass
+class _TextIndex:
+    """TF-IDF over words with an inverted index: a query only touches entries sharing a word."""
+
+    postings: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    norms: list[float] = field(default_factory=list)
+    df: Counter[str] = field(default_factory=Counter)
+    counts: list[Counter[str]] = field(default_factory=list)
+    dirty: bool = False
+
+    def add(self, text: str) -> None:
+        words = Counter(_WORD.findall(text.lower()))
+        self.counts.append(words)
+        self.df.update(words.keys())
+        self.dirty = True
+
+    def _idf(self, word: str) -> float:
+        return math.log((1 + len(self.counts)) / (1 + self.df.get(word, 0))) + 1.0
+
+    def _build(self) -> None:
+        self.postings, self.norms = {}, []
+        for i, words in enumerate(self.counts):
+            weights = {w: c * self._idf(w) for w, c in words.items()}
+            self.norms.append(math.sqrt(sum(v * v for v in weights.values())) or 1.0)
+            for w, v in weights.items():
+                self.postings.setdefault(w, []).append((i, v))
+        self.dirty = False
+
+    def best(self, text: str) -> tuple[int, float] | None:
+        if self.dirty:
+            self._build()
+        query = {w: c * self._idf(w) for w, c in Counter(_WORD.findall(text.lower())).items() if w in self.postings}
+        qnorm = math.sqrt(sum(v * v for v in query.values()))
+        if not query or qnorm == 0:
+            return None
+        scores: dict[int, float] = {}
+        for w, qv in query.items():
+            for i, v in self.postings[w]:
+                scores[i] = scores.get(i, 0.0) + qv * v
+        i, s = max(scores.items(), key=lambda kv: (kv[1] / self.norms[kv[0]], -kv[0]))
+        return i, s / (self.norms[i] * qnorm)
+
+
+# --- answers ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What ``ask`` reports."""
+
+    question: str
+    answer: str | None
+    text: str
+    prompt: str
+    entry: Sha256Digest | None
+    method: str
+    score: float
+    prompt_tokens: int
+    decode_tokens: int
+    context_tokens: int
+    seconds: float
+    energy_joules: float
+    energy_method: str
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``--json`` object (the prompt text is left out; its length is ``context_tokens``)."""
+        return {
+            "answer": self.answer, "text": self.text, "entry": self.entry, "method": self.method,
+            "score": round(self.score, 6), "prompt_tokens": self.prompt_tokens, "decode_tokens": self.decode_tokens,
+            "context_tokens": self.context_tokens, "seconds": round(self.seconds, 6),
+            "energy_joules": self.energy_joules, "energy_method": self.energy_method,
+        }
+
+
+def decode(
+    model: LoadedModel, state: KVState, logits: torch.Tensor, max_new_tokens: int, stop: Callable[[str], bool]
+) -> tuple[str, int]:
+    """Greedy decoding from ``logits`` (the last prompt position's) until ``stop(text)``, EOS, the
+    window, or ``max_new_tokens``; returns the text and the number of tokens decoded."""
+    new: list[int] = []
+    text = ""
+    for _ in range(max_new_tokens):
+        nxt = int(logits[-1].argmax())
+        if nxt == model.tokenizer.eos_token_id:
+            break
+        new.append(nxt)
+        text = model.tokenizer.decode(new)
+        if stop(text) or state.end + 1 > model.spec.window:
+            break
+        logits = state.extend([nxt])
+    return text, len(new)
+
+
+def stop_after_boxed(text: str) -> bool:
+    """A solution is complete once its ``\\boxed{...}`` closes or the next problem begins."""
+    return bool(re.search(r"\\boxed\{[^{}]*\}", text)) or "\nProblem:" in text
+
+
+def stop_at_brace(text: str) -> bool:
+    """A recalled answer ends at the closing brace."""
+    return "}" in text or "\n" in text
+
+
+def _parameters(model: LoadedModel) -> int:
+    return sum(p.numel() for p in model.module.parameters())
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    tmp = Path(tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")[1])
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class Library:
+    """A library directory opened for one model and profile. Use ``Library.create`` or ``Library.open``."""
+
+    def __init__(self, directory: Path, model: LoadedModel, profile: DeterminismProfile, meta: dict[str, Any],
+                 entries: list[Entry], trusted: TrustedKeys | None) -> None:
+        self.directory = directory
+        self.model = model
+        self.profile = profile
+        self.meta = meta
+        self.entries = entries
+        self.trusted = trusted
+        self._by_hash = {e.problem_hash: i for i, e in enumerate(entries)}
+        self._text = _TextIndex()
+        for e in entries:
+            self._text.add(e.problem)
+        self._prefix: LoadedArtifact | None = None
+        self._energy = EnergyMeter(_parameters(model))
+
+    # --- opening ---------------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, directory: Path, model: LoadedModel, profile: DeterminismProfile, *, kind: str, key: Path,
+               passphrase: bytes | None = None) -> Library:
+        """A new library: capture the shared instruction prefix and write ``library.json``."""
+        if (directory / LIBRARY_FILE).exists():
+            raise LibraryError(f"{directory} already holds a library", hint="deposit into it, or choose a new --library")
+        if directory.exists() and any(p.name != ".lock" for p in directory.iterdir()):
+            raise LibraryError(f"{directory} exists and is not empty", hint="choose a new --library directory")
+        directory.mkdir(parents=True, exist_ok=True)
+        prefix = capture(model, profile, INSTRUCTION, directory / PREFIX_DIR, key=key, passphrase=passphrase)
+        meta = {
+            "format": FORMAT, "model": model.spec.name, "profile": profile.name, "kind": kind,
+            "instruction": INSTRUCTION, "prefix_artifact": prefix.kv_digest,
+        }
+        _fsync_write(directory / LIBRARY_FILE, json.dumps(meta, indent=2).encode() + b"\n")
+        (directory / INDEX_FILE).touch()
+        return cls(directory, model, profile, meta, [], None)
+
+    @classmethod
+    def open(cls, directory: Path, model: LoadedModel, profile: DeterminismProfile, *,
+             trusted: TrustedKeys | None = None) -> Library:
+        """Open an existing library for ``model`` and ``profile`` (both must be the library's)."""
+        meta = read_meta(directory)
+        if meta["model"] != model.spec.name or meta["profile"] != profile.name:
+            raise LibraryError(
+                f"{directory} holds {meta['model']} state under profile {meta['profile']}, not {model.spec.name} / {profile.name}",
+                hint=f"pass --model {meta['model']} --profile {meta['profile']}",
+            )
+        return cls(directory, model, profile, meta, list(_read_index(directory)), trusted)
+
+    # --- deposit ---------------------------------------------------------------------------------
+
+    def prefix(self) -> LoadedArtifact:
+        """The shared instruction prefix, loaded and checked once."""
+        if self._prefix is None:
+            self._prefix = load_artifact(self.directory / PREFIX_DIR, self.model, self.profile, trusted=self.trusted)
+            if self._prefix.kv_digest != self.meta["prefix_artifact"]:
+                raise LibraryError(
+                    f"{self.directory / PREFIX_DIR} holds {self._prefix.kv_digest}, but {LIBRARY_FILE} names {self.meta['prefix_artifact']}",
+                    hint="the library was altered; deposit into a new one",
+                )
+        return self._prefix
+
+    def deposit(self, dataset: Dataset, index: int, solution: str, *, key: Path, passphrase: bytes | None = None) -> Entry | None:
+        """Deposit problem ``index`` of ``dataset`` with ``solution`` when the grader confirms it.
+
+        Returns the entry (an existing one when the problem is already deposited), or None when
+        the solution's final answer is not the dataset's key (nothing is written then).
+        """
+        if dataset.kind != self.meta["kind"]:
+            raise LibraryError(f"{dataset.name} is a {dataset.kind} dataset; this library holds {self.meta['kind']} problems",
+                               hint="use one library per kind of problem")
+        problem = dataset.question(index)
+        phash = problem_hash(problem)
+        if phash in self._by_hash:
+            return self.entries[self._by_hash[phash]]
+        answer = extract_answer(dataset.kind, solution)
+        text = entry_text(problem, solution, answer or "")
+        if answer is None or not grade(dataset, index, text).correct:
+            return None
+        out = self.directory / ENTRIES_DIR / phash[:16]
+        captured = capture(self.model, self.profile, text, out, key=key, parent=self.prefix(), passphrase=passphrase)
+        entry = Entry(phash, problem, answer, captured.kv_digest, f"{ENTRIES_DIR}/{phash[:16]}",
+                      len(captured.statement.predicate.tokens.ids), index, dataset.name)
+        with (self.directory / INDEX_FILE).open("ab") as f:
+            f.write(canonical_json(entry.to_json()) + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self._by_hash[phash] = len(self.entries)
+        self.entries.append(entry)
+        self._text.add(problem)
+        return entry
+
+    # --- ask ---------------------------------------------------------------------------------------
+
+    def lookup(self, question: str) -> Hit | None:
+        """The entry for ``question``: the same normalized problem, else the most similar one."""
+        exact = self._by_hash.get(problem_hash(question))
+        if exact is not None:
+            return Hit(self.entries[exact], "exact", 1.0)
+        best = self._text.best(question)
+        if best is None:
+            return None
+        return Hit(self.entries[best[0]], "similar", best[1])
+
+    def load_entry(self, entry: Entry) -> LoadedArtifact:
+        """An entry's artifact, checked (digest always; signature with trusted keys), on the prefix."""
+        art = load_artifact(self.directory / entry.directory, self.model, self.profile, trusted=self.trusted, parent=self.prefix())
+        if art.kv_digest != entry.artifact:
+            raise LibraryError(f"{entry.directory} holds {art.kv_digest}, but the index names {entry.artifact}",
+                               hint="the library was altered; deposit into a new one")
+        return art
+
+    def ask(self, question: str, *, max_new_tokens: int = 256, use_similar: bool = True) -> Answer:
+        """Answer ``question`` from the library: recall for a deposited problem, a grafted worked
+        example for a new one, or (no entry) the instruction prefix alone."""
+        t0 = time.perf_counter()
+        self._energy.start()
+        hit = self.lookup(question)
+        if hit is not None and hit.method == "similar" and not use_similar:
+            hit = None
+        with applied(self.profile):
+            if hit is None:
+                artifact = self.prefix()
+                suffix, budget, stop, head = question_text(question), max_new_tokens, stop_after_boxed, ""
+            elif hit.method == "exact":
+                artifact = self.load_entry(hit.entry)
+                suffix, budget, stop, head = RECALL_SUFFIX, min(RECALL_MAX_TOKENS, max_new_tokens), stop_at_brace, "\\boxed{"
+            else:
+                artifact = self.load_entry(hit.entry)
+                suffix, budget, stop, head = question_text(question), max_new_tokens, stop_after_boxed, ""
+            state = KVState.restore(self.model, artifact.segments())
+            ids = self.model.tokenizer.encode(suffix, first=False)
+            logits = state.extend(ids, keep_last=1)
+            text, decoded = decode(self.model, state, logits, budget, stop)
+        answer = extract_answer(self.meta["kind"], head + text)
+        joules, method = self._energy.stop(len(ids) + decoded)
+        prompt = "".join(a.statement.predicate.source_text.text for a in artifact.chain) + suffix
+        return Answer(
+            question=question, answer=answer, text=text, prompt=prompt,
+            entry=hit.entry.artifact if hit else None, method=hit.method if hit else "none", score=hit.score if hit else 0.0,
+            prompt_tokens=len(ids), decode_tokens=decoded, context_tokens=artifact.statement.predicate.positions.end + len(ids),
+            seconds=time.perf_counter() - t0, energy_joules=joules, energy_method=method,
+        )
+
+    @property
+    def stored_tokens(self) -> int:
+        """Tokens held across all entries (the prefix counted once)."""
+        return sum(e.tokens for e in self.entries)
+
+
+def read_meta(directory: Path) -> dict[str, Any]:
+    """``library.json``, checked for the fields a library needs."""
+    path = directory / LIBRARY_FILE
+    try:
+        meta = parse_json(path.read_bytes(), what=str(path))
+    except DocumentError as e:
+        raise LibraryError(f"{path} is not valid JSON: {e}", hint="the library was altered; deposit into a new one") from e
+    except FileNotFoundError as e:
+        raise LibraryError(f"{directory} is not a library (no {LIBRARY_FILE})",
+                           hint="create one with 'kvgraft library deposit --library DIR ...'") from e
+    except OSError as e:
+        raise LibraryError(f"cannot read {path}: {e.strerror}") from e
+    needed = {"format", "model", "profile", "kind", "instruction", "prefix_artifact"}
+    if not isinstance(meta, dict) or not needed <= set(meta) or meta["format"] != FORMAT:
+        raise LibraryError(f"{path} is not a {FORMAT} library file", hint="it was written by another tool or altered")
+    return meta
+
+
+def _read_index(directory: Path) -> Iterator[Entry]:
+    path = directory / INDEX_FILE
+    with contextlib.ExitStack() as stack:
+        try:
+            f = stack.enter_context(path.open("rb"))
+        except OSError as e:
+            raise LibraryError(f"cannot read {path}: {e.strerror}") from e
+        for n, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                # A deposit interrupted mid-line: the entry's artifact may exist, the line does not count.
+                break
+            try:
+                obj = parse_json(line, what=f"{path} line {n}")
+                yield Entry(**obj)
+            except (DocumentError, TypeError) as e:
+                raise LibraryError(f"{path} line {n} is not a library entry: {e}", hint="the index was altered") from e
