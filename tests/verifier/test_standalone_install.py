@@ -86,3 +86,23 @@ def test_kvgraft_verify_checks_a_sigstore_bundle_there(verifier_env: Path, tmp_p
     (tmp_path / "changed.whl").write_bytes(b"x" + (vectors / "bundle_v3_github.whl").read_bytes()[1:])
     bad = _run(verifier_env, *base, str(tmp_path / "changed.whl"), cwd=tmp_path)
     assert bad.returncode == 1 and len(bad.stderr.splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_kvgraft_verify_eval_and_audit_run_there(verifier_env: Path, tmp_path: Path) -> None:
+    from .test_audit import build_report
+    from .test_eval import GSM8K
+
+    report = build_report(tmp_path)
+    record = report / "evaluations" / "gsm8k"
+    verify = str(verifier_env / "kvgraft-verify")
+    ok = _run(verifier_env, verify, "eval", str(record), "--dataset", str(GSM8K), "--trusted-keys",
+              str(report / "trusted-keys.json"), cwd=tmp_path)
+    assert ok.returncode == 0 and ok.stdout.startswith("OK: evaluation of "), ok.stderr
+    audited = _run(verifier_env, verify, "audit", str(report), cwd=tmp_path)
+    assert audited.returncode == 0 and "REFUTED" not in audited.stdout, audited.stdout + audited.stderr
+    out = record / "outputs.jsonl"
+    out.write_bytes(out.read_bytes().replace(b"Working", b"working", 1))
+    bad = _run(verifier_env, verify, "eval", str(record), "--dataset", str(GSM8K), "--trusted-keys",
+               str(report / "trusted-keys.json"), cwd=tmp_path)
+    assert bad.returncode == 1 and len(bad.stderr.splitlines()) == 1 and "outputs.jsonl has digest" in bad.stderr
