@@ -171,7 +171,7 @@ def world_data(tmp_path_factory: pytest.TempPathFactory, web_keys: dict[str, Key
     return data, world
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ui(world_data: tuple[Path, World], web_keys: dict[str, Key]) -> Iterator[tuple[Harness, World]]:
     """The world's registry in-process (a Litestar test client)."""
     data, world = world_data
