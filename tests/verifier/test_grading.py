@@ -72,6 +72,8 @@ def test_every_aime_answer_boxed_grades_correct_and_off_by_one_does_not() -> Non
         ("gsm8k", "The answer is \\boxed{-3}. Check: 4", "-3"),
         ("gsm8k", "It costs 18 dollars, so 18.", "18"),
         ("gsm8k", "-0.50 is the change", "-0.5"),
+        ("gsm8k", "16 - 3 - 4", "4"),
+        ("gsm8k", "a loss of -$5", "-5"),
         ("gsm8k", "nothing", None),
         ("qa", "#### Paris\n", "Paris"),
         ("qa", "I think \\boxed{ Lyon }", "Lyon"),

@@ -35,8 +35,8 @@ MAX_DATASET_BYTES = 256 << 20
 
 # A number as models and GSM8K write it: optional sign, optional "$", digits with optional
 # thousands commas, optional decimals. Commas are only taken between digits so that
-# "5, 6" reads as two numbers.
-_NUMBER = re.compile(r"-?\$?\s?\d+(?:,\d{3})*(?:\.\d+)?")
+# "5, 6" reads as two numbers; a sign must touch its digits so that "16 - 3" is 16 and 3.
+_NUMBER = re.compile(r"-?(?:\$\s?)?\d+(?:,\d{3})*(?:\.\d+)?")
 _WHOLE_NUMBER = re.compile(r"\s*-?\s?\$?\s?\d+(?:,\d{3})*(?:\.\d+)?\s*\.?\s*")
 _BOXED = "\\boxed{"
 _ANSWER_MARK = "####"
