@@ -57,7 +57,7 @@ from kvgraft.web import STATIC_DIR, LineageNode, PlotSeries, kl_plot_svg, lineag
 
 from .blobs import parse_digest_ref
 from .entries import RECORD_KINDS, kind_of_filter
-from .errors import BadRequestError, NotFoundError, RegistryError
+from .errors import ArtifactNotFoundError, BadRequestError, EntryNotFoundError, NotFoundError, RegistryError
 from .service import Registry
 
 logger = logging.getLogger("kvgraft.registry")
@@ -70,6 +70,8 @@ RECENT = 12
 _DRAWN_ANCESTORS = 3
 _DRAWN_CHILDREN = 6
 _PREVIEW = 160
+_MAX_ANCESTORS = 10_000
+_MAX_CHILDREN = 1_000
 #: The datasets shipped with kvgraft: an evaluation over one of them shows its questions.
 DATASETS_DIR = Path(__file__).resolve().parents[2] / "data" / "datasets"
 
@@ -267,7 +269,9 @@ def _entry_rows(registry: Registry, where: str, params: list[Any], limit: int) -
     rows = _query(
         registry,
         "SELECT log_index, digest, kind, publisher, integrated_at, artifact_digest, model_name, profile_name, parent, "
-        f"position_start, position_end, left(source_text, {_PREVIEW + 1}), predicate_type "
+        f"position_start, position_end, left(source_text, {_PREVIEW + 1}), predicate_type, "
+        # A record's envelope comes along for its one-line summary; artifacts are described by columns.
+        "CASE WHEN kind = 'artifact' THEN NULL ELSE envelope END "
         f"FROM entries WHERE {where} ORDER BY log_index DESC LIMIT {int(limit)}",
         params,
     )
@@ -283,25 +287,29 @@ def _entry_rows(registry: Registry, where: str, params: list[Any], limit: int) -
                 "positions": None if r[9] is None else (int(r[9]), int(r[10])), "text": text, "predicate_type": r[12],
             }
         )
+        if r[13] is not None:
+            out[-1]["summary"] = _record_summary(r[2], _payload_json(bytes(r[13])))
     return out
 
 
 def overview_context(registry: Registry) -> dict[str, Any]:
     """Counts, the latest checkpoint and the most recent entries."""
     with registry.db.lock:
-        counts = dict(_query(registry, "SELECT kind, count(*) FROM entries GROUP BY kind"))
-        publishers = _query(registry, "SELECT count(*) FROM publishers")[0][0]
-        keys = _query(registry, "SELECT count(*) FROM publisher_keys")[0][0]
+        counts: dict[str, int] = {}
+        publishers = keys = 0
+        for kind, n in _query(
+            registry,
+            "SELECT kind, count(*) FROM entries GROUP BY kind UNION ALL "
+            "SELECT '.publishers', count(*) FROM publishers UNION ALL SELECT '.keys', count(*) FROM publisher_keys",
+        ):
+            if kind == ".publishers":
+                publishers = int(n)
+            elif kind == ".keys":
+                keys = int(n)
+            else:
+                counts[kind] = int(n)
         recent = _entry_rows(registry, "TRUE", [], RECENT)
-        record_indices = [e["log_index"] for e in recent if e["kind"] != "artifact"]
-        envelopes = dict(
-            _query(registry, f"SELECT log_index, envelope FROM entries WHERE log_index IN ({', '.join('?' for _ in record_indices)})",
-                   record_indices)
-        ) if record_indices else {}
         head = registry.head
-    for e in recent:
-        if e["log_index"] in envelopes:
-            e["summary"] = _record_summary(e["kind"], _payload_json(bytes(envelopes[e["log_index"]])))
     records = sum(int(counts.get(k, 0)) for k in RECORD_KINDS)
     return {
         "counts": {k: int(v) for k, v in counts.items()},
@@ -355,10 +363,12 @@ def artifacts_context(
     with registry.db.lock:
         total = int(_query(registry, f"SELECT count(*) FROM entries WHERE {condition}", params)[0][0])
         rows = _entry_rows(registry, condition + " AND log_index < ?", [*params, _before(before)], PAGE_SIZE + 1)
-        facets = {
-            name: [r[0] for r in _query(registry, f"SELECT DISTINCT {column} FROM entries WHERE kind = 'artifact' ORDER BY 1")]
-            for name, column in (("models", "model_name"), ("profiles", "profile_name"), ("publishers", "publisher"))
-        }
+        lists = _query(
+            registry,
+            "SELECT list(DISTINCT model_name ORDER BY model_name), list(DISTINCT profile_name ORDER BY profile_name), "
+            "list(DISTINCT publisher ORDER BY publisher) FROM entries WHERE kind = 'artifact'",
+        )[0]
+        facets = {name: list(values or []) for name, values in zip(("models", "profiles", "publishers"), lists, strict=True)}
     filters = {"q": q, "model": model, "profile": profile, "publisher": publisher, "parent": parent}
     more = len(rows) > PAGE_SIZE
     rows = rows[:PAGE_SIZE]
@@ -398,9 +408,7 @@ def _node(item: dict[str, Any], role: str) -> LineageNode:
                        f"/artifacts/{item['digest']}", role)
 
 
-def _lineage(doc: dict[str, Any]) -> dict[str, Any]:
-    parents = doc["lineage"]["parents"]  # nearest first
-    children = doc["lineage"]["children"]
+def _lineage(artifact: dict[str, Any], parents: list[dict[str, Any]], children: list[dict[str, Any]]) -> dict[str, Any]:
     chain_items = list(reversed(parents))  # root first
     chain: list[LineageNode] = []
     if len(chain_items) > _DRAWN_ANCESTORS:
@@ -410,47 +418,115 @@ def _lineage(doc: dict[str, Any]) -> dict[str, Any]:
         chain += [_node(p, "ancestor") for p in chain_items[-(_DRAWN_ANCESTORS - 1):]]
     else:
         chain = [_node(p, "ancestor") for p in chain_items]
-    a = doc["artifact"]
-    current = LineageNode(short_digest(a["digest"], 10), f"this \u00b7 pos {a['positions'][0]}\u2013{a['positions'][1]}", None, "current")
+    start, end = artifact["positions"]
+    current = LineageNode(short_digest(artifact["digest"], 10), f"this \u00b7 pos {start}\u2013{end}", None, "current")
     drawn_children = [_node(c, "child") for c in children[:_DRAWN_CHILDREN]]
     if len(children) > _DRAWN_CHILDREN:
         drawn_children.append(
-            LineageNode(f"+ {len(children) - _DRAWN_CHILDREN} more", "children", f"/artifacts?parent={a['digest']}", "more")
+            LineageNode(f"+ {len(children) - _DRAWN_CHILDREN} more", "children", f"/artifacts?parent={artifact['digest']}", "more")
         )
     return {"svg": lineage_svg(chain, current, drawn_children), "parents": parents, "children": children}
+
+
+# Ancestors in one recursive query (nearest first), each artifact described by its first entry,
+# as the registry's own lineage does; the depth cap stops a cycle from running away.
+_ANCESTORS_SQL = f"""
+WITH RECURSIVE firsts AS (
+    SELECT artifact_digest, min(log_index) AS log_index, arg_min(parent, log_index) AS parent,
+           arg_min(position_start, log_index) AS position_start, arg_min(position_end, log_index) AS position_end
+    FROM entries WHERE kind = 'artifact' GROUP BY artifact_digest
+), chain(digest, depth) AS (
+    SELECT CAST(? AS VARCHAR), 0
+    UNION ALL
+    SELECT f.parent, c.depth + 1 FROM chain c JOIN firsts f ON f.artifact_digest = c.digest
+    WHERE f.parent IS NOT NULL AND c.depth < {_MAX_ANCESTORS}
+)
+SELECT c.digest, f.log_index, f.position_start, f.position_end
+FROM chain c LEFT JOIN firsts f ON f.artifact_digest = c.digest WHERE c.depth > 0 ORDER BY c.depth
+"""
+
+_RECORD_KINDS_SQL = "(" + ", ".join(f"'{k}'" for k in RECORD_KINDS) + ")"
+
+
+def _entry_dict(r: tuple[Any, ...], subjects: list[dict[str, str]]) -> dict[str, Any]:
+    # Columns of _ENTRY_SQL, shaped like the API's entry metadata (the fields the pages use).
+    return {
+        "log_index": int(r[0]), "digest": r[1], "leaf_hash": bytes(r[2]).hex(), "kind": r[3], "publisher": r[4],
+        "keyids": list(r[5]), "integrated_at": r[6], "size": int(r[7]), "predicate_type": r[8], "subjects": subjects,
+        "envelope_url": f"/v1/entries/{r[1]}/envelope",
+        "artifact": None if r[9] is None else {"digest": r[9], "positions": (int(r[10]), int(r[11]))},
+    }
+
+
+_ENTRY_SQL = (
+    "SELECT log_index, digest, leaf_hash, kind, publisher, keyids, integrated_at, octet_length(envelope), predicate_type, "
+    "artifact_digest, position_start, position_end, envelope FROM entries"
+)
+
+
+def _subjects_of(registry: Registry, index: int) -> list[dict[str, str]]:
+    rows = _query(registry, "SELECT name, digest FROM entry_subjects WHERE log_index = ? ORDER BY name", [index])
+    return [{"name": n, "digest": d} for n, d in rows]
 
 
 def artifact_context(registry: Registry, digest: str, base: str) -> dict[str, Any]:
     """An artifact page: statement fields, re-verified signature, lineage, proof, downloads, commands."""
     parse_digest_ref(digest, what="artifact digest")
-    doc = registry.artifact(digest)
-    entry = doc["entry"]
-    envelope_bytes, _ = registry.envelope(entry["digest"])
+    with registry.db.lock:
+        rows = _query(registry, _ENTRY_SQL + " WHERE artifact_digest = ? AND kind = 'artifact' ORDER BY log_index", [digest])
+        if not rows:
+            raise ArtifactNotFoundError(f"no KV artifact with tensors {digest} is in this registry")
+        first = rows[0]
+        entry = _entry_dict(first, _subjects_of(registry, int(first[0])))
+        envelope_bytes = bytes(first[12])
+        parents = [
+            {"digest": d, "log_index": None if i is None else int(i), "positions": None if i is None else (int(a), int(b))}
+            for d, i, a, b in _query(registry, _ANCESTORS_SQL, [digest])
+        ]
+        children = [
+            {"digest": d, "log_index": int(i), "publisher": p, "positions": (int(a), int(b))}
+            for i, d, p, a, b in _query(
+                registry,
+                "SELECT log_index, artifact_digest, publisher, position_start, position_end FROM entries "
+                f"WHERE kind = 'artifact' AND parent = ? ORDER BY log_index LIMIT {_MAX_CHILDREN}",
+                [digest],
+            )
+        ]
+        records = [
+            {"log_index": int(i), "digest": d, "kind": k, "publisher": p, "integrated_at": t}
+            for i, d, k, p, t in _query(
+                registry,
+                f"SELECT log_index, digest, kind, publisher, integrated_at FROM entries WHERE kind IN {_RECORD_KINDS_SQL} "
+                f"AND log_index IN (SELECT log_index FROM entry_refs WHERE ref = ?) ORDER BY log_index LIMIT {PAGE_SIZE}",
+                [digest],
+            )
+        ]
+        proof = _proof_context(registry, entry)
+        signature = signature_status(registry, envelope_bytes, entry["publisher"])
     statement = _statement(envelope_bytes)
     if not isinstance(statement, KvArtifactStatement):
         raise RegistryError(f"entry {entry['log_index']} is indexed as an artifact but holds a {statement.predicate_type} statement")
-    proof = _proof_context(registry, entry)
-    records = registry.list_records(artifact=digest, limit=PAGE_SIZE).items
+    p = statement.predicate
+    artifact = {"digest": digest, "positions": (p.positions.start, p.positions.end), "tokens": p.positions.end - p.positions.start}
     directory = "art"
     fetch = _fetch_lines(base, entry, directory, "statement.dsse.json")
     verify = [
         f"kvgraft-verify envelope {directory}/statement.dsse.json --trusted-keys trusted-keys.json --artifact-dir {directory}",
         _log_commands(base, entry, proof["tree_size"], f"{directory}/statement.dsse.json"),
     ]
-    pull = f"kvgraft pull --registry {base} {digest} --out {directory} --trusted-keys trusted-keys.json"
     return {
-        "doc": doc,
-        "artifact": doc["artifact"],
+        "artifact": artifact,
+        "other_entries": [{"log_index": int(r[0]), "digest": r[1], "publisher": r[4]} for r in rows[1:]],
         "entry": entry,
         "statement": statement,
-        "p": statement.predicate,
-        "signature": signature_status(registry, envelope_bytes, entry["publisher"]),
-        "lineage": _lineage(doc),
+        "p": p,
+        "signature": signature,
+        "lineage": _lineage(artifact, parents, children),
         "records": records,
         "proof": proof,
         "downloads": _downloads(entry, proof["tree_size"]),
         "verify_command": "\n".join([*fetch, *verify]),
-        "pull_command": pull,
+        "pull_command": f"kvgraft pull --registry {base} {digest} --out {directory} --trusted-keys trusted-keys.json",
     }
 
 
@@ -658,9 +734,15 @@ def _evaluation_context(statement: EvaluationStatement) -> dict[str, Any]:
 def record_context(registry: Registry, digest: str, base: str) -> dict[str, Any]:
     """A record page by its entry (envelope) digest; artifacts redirect to their own page."""
     parse_digest_ref(digest, what="entry digest")
-    doc = registry.entry(digest)
-    entry = doc["entry"]
-    envelope_bytes, _ = registry.envelope(digest)
+    with registry.db.lock:
+        rows = _query(registry, _ENTRY_SQL + " WHERE digest = ?", [digest])
+        if not rows:
+            raise EntryNotFoundError(f"no entry has digest {digest}")
+        entry = _entry_dict(rows[0], _subjects_of(registry, int(rows[0][0])))
+        envelope_bytes = bytes(rows[0][12])
+        signature = signature_status(registry, envelope_bytes, entry["publisher"])
+        if entry["artifact"] is not None:
+            return {"kind": "artifact", "entry": entry}
     statement = _statement(envelope_bytes)
     proof = _proof_context(registry, entry)
     directory = "rec"
@@ -685,7 +767,7 @@ def record_context(registry: Registry, digest: str, base: str) -> dict[str, Any]
         entry=entry,
         statement=statement,
         statement_json=statement.model_dump(mode="json", by_alias=True),
-        signature=signature_status(registry, envelope_bytes, entry["publisher"]),
+        signature=signature,
         proof=proof,
         downloads=_downloads(entry, proof["tree_size"]),
         verify_command="\n".join([*fetch, check, _log_commands(base, entry, proof["tree_size"], envelope_path)]),
