@@ -1,0 +1,248 @@
+"""Time to first token vs prefix length (issue 8, item 1), ``smollm2-135m``.
+
+For a prefix of L tokens (about 256, 1K, 2K, 4K, 8K) followed by a short question, the time until
+the logits of the question's last position exist, measured side by side in one process:
+
+- ``recompute``: plain transformers (``AutoModelForCausalLM`` on the converted model, its default
+  attention), one forward pass over prefix + question;
+- ``graft``: kvgraft from the local store, the normal path: ``load_artifact`` (statement read,
+  every chain member's tensors sha256-checked against it, model/tokenizer/profile checked), then
+  ``graft`` (restore at its own positions, run the question); the prefix is stored as a chain of
+  artifacts ending at each length (256, then +768, +1K, +2K, +4K), as a library stores it;
+- ``llama.cpp restore``: llama.cpp's own state file (``llama_state_save_file`` /
+  ``llama_state_load_file`` through llama-cpp-python) on the same GGUF file, then the question;
+- ``llama.cpp recompute``: llama.cpp evaluating prefix + question from an empty context.
+
+Page cache warm for both restores (the files were just written). Target: graft at least 20x
+faster than recompute at 4K and growing with length; not slower than llama.cpp's restore.
+
+    .venv/bin/python bench/ttft.py [--runs 3] [--lengths 256 1024 2048 4096 8160]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import QUICK, corpus_text, figure, median, say, write_result
+
+from kvgraft.engine import (
+    KV_FILE,
+    cache_dir,
+    capture,
+    current_profile,
+    ensure_local_key,
+    graft,
+    load_artifact,
+    load_model,
+    locate_gguf,
+    spec_for,
+)
+
+MODEL = "smollm2-135m"
+QUESTION = "\n\nQuestion: How many apples are left if you eat three of seven apples?\nAnswer:"
+TARGET_SPEEDUP_4K = 20.0
+
+
+def build_chain(model: Any, profile: Any, ends: list[int], work: Path) -> dict[int, Path]:
+    """Capture a chain of artifacts whose prefixes end near each of ``ends`` tokens."""
+    key, _ = ensure_local_key()
+    ids = model.tokenizer.encode(corpus_text(ends[-1] * 6), first=True)
+    if len(ids) < ends[-1]:
+        raise SystemExit(f"the corpus gives {len(ids)} tokens, fewer than {ends[-1]}")
+    dirs: dict[int, Path] = {}
+    parent = None
+    start = 0
+    for end in ends:
+        # Text of the next tokens; re-tokenized by capture, so the real ends may differ by a few.
+        text = model.tokenizer.decode(ids[start:end])
+        t0 = time.perf_counter()
+        out = work / f"prefix-{end}"
+        captured = capture(model, profile, text, out, key=key, parent=parent)
+        parent = load_artifact(out, model, profile)
+        real_end = captured.statement.predicate.positions.end
+        say(f"captured [{captured.statement.predicate.positions.start}, {real_end}) in {time.perf_counter() - t0:.1f} s")
+        dirs[end] = out
+        start = end
+    return dirs
+
+
+def chain_ids(art: Any) -> list[int]:
+    """Every token id of an artifact's chain, root first."""
+    return [t for a in art.chain for t in a.statement.predicate.tokens.ids]
+
+
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python on the model's own GGUF file, one context for all runs."""
+
+    def __init__(self, gguf: Path, n_ctx: int) -> None:
+        import llama_cpp
+
+        self.lib = llama_cpp
+        # Two threads, like the torch side; the default batch sizes.
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=2, n_threads_batch=2, verbose=False)
+        self.version = getattr(llama_cpp, "__version__", "unknown")
+
+    def clear(self) -> None:
+        """Empty the KV memory and the token history."""
+        self.llm.reset()
+        ctx = self.llm._ctx.ctx
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(ctx), True)
+
+    def eval(self, ids: list[int]) -> None:
+        """Evaluate ``ids`` after what the context holds (logits of the last position computed)."""
+        self.llm.eval(ids)
+
+    def save(self, path: Path) -> int:
+        """Write llama.cpp's state file for the tokens evaluated so far; its size in bytes."""
+        n = self.llm.n_tokens
+        arr = (self.lib.llama_token * n)(*self.llm.input_ids[:n].tolist())
+        if not self.lib.llama_state_save_file(self.llm._ctx.ctx, str(path).encode(), arr, n):
+            raise SystemExit(f"llama_state_save_file failed for {path}")
+        return path.stat().st_size
+
+    def load(self, path: Path, capacity: int) -> int:
+        """Restore the state file into the (cleared) context; the number of tokens it held."""
+        arr = (self.lib.llama_token * capacity)()
+        n_out = ctypes.c_size_t(0)
+        if not self.lib.llama_state_load_file(self.llm._ctx.ctx, str(path).encode(), arr, capacity, ctypes.byref(n_out)):
+            raise SystemExit(f"llama_state_load_file failed for {path}")
+        n = n_out.value
+        self.llm.input_ids[:n] = arr[:n]
+        self.llm.n_tokens = n
+        return n
+
+
+def main() -> None:
+    """Measure, write ``bench/results/ttft.json`` and its plot."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=2 if QUICK else 3)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024] if QUICK else [256, 1024, 2048, 4096, 8160])
+    args = ap.parse_args()
+    spec = spec_for(MODEL)
+    model = load_model(MODEL)
+    profile = current_profile("cpu-fp32")
+    q_ids = model.tokenizer.encode(QUESTION, first=False)
+
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(cache_dir(spec), dtype=torch.float32).eval()
+    plain_attn = plain.config._attn_implementation
+
+    try:
+        llama: LlamaCpp | None = LlamaCpp(locate_gguf(spec), spec.window)
+        llama_note = None
+    except ImportError:
+        llama, llama_note = None, "llama-cpp-python is not installed (make bench installs it): no llama.cpp figures"
+        say(llama_note)
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvgraft-bench-ttft-") as tmp:
+        work = Path(tmp)
+        dirs = build_chain(model, profile, args.lengths, work)
+        for length in args.lengths:
+            art = load_artifact(dirs[length], model, profile)
+            prefix = chain_ids(art)
+            full = prefix + q_ids
+            kv_bytes = sum((a.directory / KV_FILE).stat().st_size for a in art.chain)
+            del art
+            row: dict[str, Any] = {"target_tokens": length, "prefix_tokens": len(prefix), "question_tokens": len(q_ids),
+                                   "chain_artifacts": args.lengths.index(length) + 1, "kv_bytes": kv_bytes, "runs": {}}
+            state_file = work / f"llama-{length}.state"
+            if llama is not None:
+                llama.clear()
+                llama.eval(prefix)
+                row["llama_state_bytes"] = llama.save(state_file)
+            runs: dict[str, list[float]] = {"recompute": [], "graft": [], "llama_restore": [], "llama_recompute": []}
+            for r in range(args.runs):
+                # recompute, plain transformers
+                torch.set_num_threads(2)
+                with torch.inference_mode():
+                    t0 = time.perf_counter()
+                    plain(input_ids=torch.tensor([full]), logits_to_keep=1)
+                    runs["recompute"].append(time.perf_counter() - t0)
+                # graft from the local store, digests checked
+                t0 = time.perf_counter()
+                art = load_artifact(dirs[length], model, profile)
+                cont = graft(model, profile, art, QUESTION)
+                runs["graft"].append(time.perf_counter() - t0)
+                if cont.prefix_tokens != len(prefix) or cont.continuation_ids != q_ids:
+                    raise SystemExit("the graft ran other tokens than the recompute")
+                del art, cont
+                if llama is not None:
+                    llama.clear()
+                    t0 = time.perf_counter()
+                    n = llama.load(state_file, spec.window)
+                    llama.eval(q_ids)
+                    runs["llama_restore"].append(time.perf_counter() - t0)
+                    if n != len(prefix):
+                        raise SystemExit(f"llama.cpp restored {n} tokens, not {len(prefix)}")
+                    llama.clear()
+                    t0 = time.perf_counter()
+                    llama.eval(full)
+                    runs["llama_recompute"].append(time.perf_counter() - t0)
+                say(f"L={len(prefix)} run {r + 1}/{args.runs}: " + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in runs.items() if v))
+            row["runs"] = {k: v for k, v in runs.items() if v}
+            row["median_s"] = {k: median(v) for k, v in row["runs"].items()}
+            m = row["median_s"]
+            row["speedup_graft_vs_recompute"] = m["recompute"] / m["graft"]
+            if llama is not None:
+                row["graft_over_llama_restore"] = m["graft"] / m["llama_restore"]
+                row["speedup_llama_restore_vs_llama_recompute"] = m["llama_recompute"] / m["llama_restore"]
+                state_file.unlink()
+            rows.append(row)
+            say(f"L={len(prefix)}: graft {row['speedup_graft_vs_recompute']:.1f}x faster than recompute")
+        del dirs
+
+    at_4k = next((r for r in rows if r["target_tokens"] == 4096), None)
+    speedups = [r["speedup_graft_vs_recompute"] for r in rows]
+    met = {
+        "graft_20x_at_4k": None if at_4k is None else at_4k["speedup_graft_vs_recompute"] >= TARGET_SPEEDUP_4K,
+        "speedup_growing": all(b >= a for a, b in zip(speedups, speedups[1:], strict=False)),
+        "graft_not_slower_than_llama_restore": None if llama is None else all(r["graft_over_llama_restore"] <= 1.0 for r in rows),
+    }
+    write_result("ttft", {
+        "description": "time to first token vs prefix length, smollm2-135m: recompute, graft, llama.cpp state restore",
+        "model": MODEL,
+        "gguf": str(locate_gguf(spec).name),
+        "recompute_attention": plain_attn,
+        "threads": 2,
+        "llama_cpp": None if llama is None else {"version": llama.version, "kv_type": "f16 (default)"},
+        "note": llama_note,
+        "target": {"graft_speedup_at_4k_min": TARGET_SPEEDUP_4K, "graft_over_llama_restore_max": 1.0},
+        "rows": rows,
+        "met": met,
+    })
+    plot(rows)
+
+
+def plot(rows: list[dict[str, Any]]) -> None:
+    """TTFT (log scale) against prefix length, one line per method."""
+    with figure("ttft") as fig:
+        if fig is None:
+            return
+        ax = fig.add_subplot(1, 1, 1)
+        xs = [r["prefix_tokens"] for r in rows]
+        labels = {"recompute": "recompute (transformers)", "graft": "kvgraft graft (verified)",
+                  "llama_restore": "llama.cpp state restore", "llama_recompute": "llama.cpp recompute"}
+        for key, label in labels.items():
+            if all(key in r["median_s"] for r in rows):
+                ax.plot(xs, [r["median_s"][key] for r in rows], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prefix tokens")
+        ax.set_ylabel("time to first token (s, median)")
+        ax.set_title("Time to first token, smollm2-135m, 2 threads")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
