@@ -37,7 +37,7 @@ class Scale:
 
 
 BOUNDED = Scale("bounded", parser_examples=150, http_examples=60, crash_rounds=3, crash_writes=50, load_seconds=10, load_clients=32)
-HEAVY = Scale("heavy", parser_examples=3000, http_examples=600, crash_rounds=20, crash_writes=60, load_seconds=60, load_clients=32)
+HEAVY = Scale("heavy", parser_examples=2000, http_examples=400, crash_rounds=20, crash_writes=60, load_seconds=60, load_clients=32)
 
 
 @pytest.fixture(scope="session")
