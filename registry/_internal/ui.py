@@ -229,9 +229,9 @@ def _log_commands(base: str, entry: dict[str, Any], tree_size: int, envelope_pat
     index = entry["log_index"]
     return "\n".join(
         [
-            f"curl -s {base}/v1/log/key | jq -r .public_key_pem > registry.pub",
-            f"curl -s '{base}/v1/log/checkpoint?tree_size={tree_size}' > checkpoint",
-            f"curl -s '{base}/v1/log/proof/inclusion?index={index}&tree_size={tree_size}' > inclusion.json",
+            f"curl -fsS -o registry.pub {base}/log/registry-key.pem",
+            f"curl -fsS '{base}/v1/log/checkpoint?tree_size={tree_size}' > checkpoint",
+            f"curl -fsS '{base}/v1/log/proof/inclusion?index={index}&tree_size={tree_size}' > inclusion.json",
             f"kvgraft-verify log --checkpoint checkpoint --registry-key registry.pub --inclusion inclusion.json {envelope_path}",
         ]
     )
@@ -243,9 +243,9 @@ def _fetch_lines(base: str, entry: dict[str, Any], directory: str, envelope_name
     if subdirs:
         lines[0] = "mkdir -p " + " ".join(f"{directory}/{d}" for d in subdirs)
     for s in entry["subjects"]:
-        lines.append(f"curl -s -o {directory}/{s['name']} {base}/v1/blobs/{s['digest']}")
-    lines.append(f"curl -s -o {directory}/{envelope_name} {base}{entry['envelope_url']}")
-    lines.append(f"curl -s -o trusted-keys.json {base}/publishers/{quote(entry['publisher'])}/trusted-keys.json   # or your own copy")
+        lines.append(f"curl -fsS -o {directory}/{s['name']} {base}/v1/blobs/{s['digest']}")
+    lines.append(f"curl -fsS -o {directory}/{envelope_name} {base}{entry['envelope_url']}")
+    lines.append(f"curl -fsS -o trusted-keys.json {base}/publishers/{quote(entry['publisher'])}/trusted-keys.json   # or your own copy")
     return lines
 
 
@@ -256,7 +256,7 @@ def _downloads(entry: dict[str, Any], tree_size: int) -> list[tuple[str, str]]:
     out += [
         (f"inclusion proof at size {tree_size}", f"/v1/log/proof/inclusion?index={index}&tree_size={tree_size}"),
         (f"checkpoint at size {tree_size}", f"/v1/log/checkpoint?tree_size={tree_size}"),
-        ("registry log key", "/v1/log/key"),
+        ("registry log key (PEM)", "/log/registry-key.pem"),
         ("entry metadata (JSON)", f"/v1/entries/{index}"),
     ]
     return out
@@ -823,10 +823,10 @@ def log_context(registry: Registry, *, old: int | None, new: int | None, before:
     checkpoints = [{"size": int(r[0]), "root_hash": bytes(r[1]).hex(), "created_at": r[2]} for r in rows[:PAGE_SIZE]]
     commands = "\n".join(
         [
-            f"curl -s {base}/v1/log/key | jq -r .public_key_pem > registry.pub",
-            f"curl -s '{base}/v1/log/checkpoint?tree_size={old_size}' > checkpoint-old",
-            f"curl -s '{base}/v1/log/checkpoint?tree_size={new_size}' > checkpoint-new",
-            f"curl -s '{base}/v1/log/proof/consistency?old={old_size}&new={new_size}' > consistency.json",
+            f"curl -fsS -o registry.pub {base}/log/registry-key.pem",
+            f"curl -fsS '{base}/v1/log/checkpoint?tree_size={old_size}' > checkpoint-old",
+            f"curl -fsS '{base}/v1/log/checkpoint?tree_size={new_size}' > checkpoint-new",
+            f"curl -fsS '{base}/v1/log/proof/consistency?old={old_size}&new={new_size}' > consistency.json",
             "kvgraft-verify log --checkpoint checkpoint-new --registry-key registry.pub --consistency consistency.json checkpoint-old",
         ]
     )
@@ -855,6 +855,14 @@ async def log_page(
     """The transparency log: checkpoints and a consistency view between two tree sizes."""
     context = await _run(log_context, _registry(request), old=old, new=new, before=before, base=_base_url(request))
     return _html(request, "log.html", **context)
+
+
+@get("/log/registry-key.pem", guards=[_guard], include_in_schema=False)
+async def registry_key_pem(request: Request[Any, Any, Any]) -> Response[str]:
+    """The registry's log public key as PEM, what ``kvgraft-verify log --registry-key`` reads
+    (the same key as ``GET /v1/log/key``, without needing a JSON tool to extract it)."""
+    key = await _run(_registry(request).log_key)
+    return Response(content=key["public_key_pem"], media_type="application/x-pem-file")
 
 
 # --- publishers --------------------------------------------------------------------------------
@@ -902,7 +910,10 @@ def ui_router() -> Router:
     """The UI's pages, HTML error pages for them, and ``/static`` (the bundled CSS and JS)."""
     pages = Router(
         path="/",
-        route_handlers=[overview, artifacts, artifact, records, record, entry_redirect, log_page, publishers, publisher_trusted_keys],
+        route_handlers=[
+            overview, artifacts, artifact, records, record, entry_redirect, log_page, registry_key_pem, publishers,
+            publisher_trusted_keys,
+        ],
         exception_handlers={RegistryError: _html_error, HTTPException: _html_error, Exception: _html_error},
     )
     return pages

@@ -8,13 +8,17 @@ is shown as text, never run.
 
 from __future__ import annotations
 
+import html as htmllib
 import os
 import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from kvgraft.registry._internal.security import CONTENT_SECURITY_POLICY
@@ -161,3 +165,38 @@ def test_every_page_came_with_the_content_security_policy(browser: Browser) -> N
     for url, headers in browser.documents:
         assert headers.get("content-security-policy") == CONTENT_SECURITY_POLICY, url
         assert headers.get("x-content-type-options") == "nosniff", url
+
+
+def _command_block(html: str, block: str) -> str:
+    found = re.search(rf'<pre class="cmd" id="cmd-{block}"><code>(.*?)</code></pre>', html, re.S)
+    assert found, f"no command block {block!r} on the page"
+    return htmllib.unescape(found.group(1))
+
+
+def _bash(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    # kvgraft-verify from this environment, curl from the system: what an auditor runs.
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_commands_on_the_pages_re_check_offline(live: tuple[Server, World], tmp_path: Path) -> None:
+    server, world = live
+    page = httpx.get(f"{server.url}/artifacts/{world.middle.digest}", timeout=30).text
+    command = _command_block(page, "verify")
+    done = _bash(command, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "art" / "kv.safetensors").read_bytes() == world.middle.tensors
+    # The same checks refuse a downloaded file changed by one byte.
+    tensors = tmp_path / "art" / "kv.safetensors"
+    data = bytearray(tensors.read_bytes())
+    data[-1] ^= 1
+    tensors.write_bytes(bytes(data))
+    verify_line = next(line for line in command.splitlines() if line.startswith("kvgraft-verify envelope"))
+    refused = _bash(verify_line, tmp_path)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "kv.safetensors" in refused.stdout + refused.stderr
+
+    log_page = httpx.get(f"{server.url}/log?old=3&new={world.entries}", timeout=30).text
+    consistency = _bash(_command_block(log_page, "consistency"), tmp_path)
+    assert consistency.returncode == 0, consistency.stdout + consistency.stderr
