@@ -412,9 +412,10 @@ def _lineage(artifact: dict[str, Any], parents: list[dict[str, Any]], children: 
     chain_items = list(reversed(parents))  # root first
     chain: list[LineageNode] = []
     if len(chain_items) > _DRAWN_ANCESTORS:
-        hidden = len(chain_items) - _DRAWN_ANCESTORS + 1
+        # The root, a marker for those in between, and the nearest parents.
+        hidden = len(chain_items) - _DRAWN_ANCESTORS
         chain.append(_node(chain_items[0], "ancestor"))
-        chain.append(LineageNode(f"\u2026 {hidden - 1} more", "ancestors", None, "more"))
+        chain.append(LineageNode(f"\u2026 {hidden} more", "ancestors", None, "more"))
         chain += [_node(p, "ancestor") for p in chain_items[-(_DRAWN_ANCESTORS - 1):]]
     else:
         chain = [_node(p, "ancestor") for p in chain_items]
@@ -725,6 +726,7 @@ def _evaluation_context(statement: EvaluationStatement) -> dict[str, Any]:
         "p": p,
         "items": items,
         "dataset_known": dataset is not None,
+        "doc_mismatches": sum(1 for row in items if row["doc_matches"] is False),
         "dataset_file": _shipped_datasets().get(p.dataset.digest),
         "aggregate_rows": [(k, claimed[k], recomputed[k], _same(claimed[k], recomputed[k])) for k in recomputed],
         "all_match": all(_same(claimed[k], recomputed[k]) for k in recomputed),

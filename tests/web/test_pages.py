@@ -195,3 +195,28 @@ def test_kl_plot_escapes_names_and_marks_all_zero_series() -> None:
     assert svg.count("<circle") == 4
     assert "exact (all 0)" in svg
     assert SCRIPT not in svg and "&lt;script&gt;" in svg
+
+
+def test_ancestors_are_listed_nearest_first(ui: tuple[Harness, World]) -> None:
+    h, world = ui
+    html = h.client.get(f"/artifacts/{world.leaf.digest}").text
+    parents = re.findall(r'<a class="lineage-parent" href="/artifacts/(sha256:[0-9a-f]{64})">', html)
+    assert parents == [world.middle.digest, world.root.digest]
+
+
+def test_a_long_chain_is_drawn_shortened_with_its_root() -> None:
+    parents = [{"digest": f"sha256:{i:064x}", "log_index": i, "positions": (i, i + 1)} for i in range(9, -1, -1)]
+    children = [{"digest": f"sha256:{100 + i:064x}", "log_index": 100 + i, "positions": (10, 11)} for i in range(8)]
+    drawn = ui_module._lineage({"digest": "sha256:" + "f" * 64, "positions": (10, 11)}, parents, children)
+    svg = str(drawn["svg"])
+    assert "\u2026 7 more" in svg  # 10 ancestors: the root, 7 behind the marker, the 2 nearest
+    assert svg.count('class="node-link"') == 1 + 2 + 6 + 1  # root, 2 parents, 6 children, "+ 2 more" link
+    assert "+ 2 more" in svg and f"/artifacts?parent=sha256:{'f' * 64}" in svg
+    assert f"/artifacts/sha256:{0:064x}" in svg  # the root is always drawn
+
+
+def test_evaluation_page_checks_doc_hashes_against_the_shipped_dataset(ui: tuple[Harness, World]) -> None:
+    h, world = ui
+    html = h.client.get(f"/records/{world.evaluation_digest}").text
+    assert "every doc hash is its document's" in html
+    assert html.count("\u2714 matches doc") == 3
