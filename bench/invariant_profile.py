@@ -107,11 +107,11 @@ def plot(results: dict[str, Any]) -> None:
 def main() -> None:
     """Measure, write ``bench/results/invariant_profile.json`` and its plot."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=2 if QUICK else 4)
+    ap.add_argument("--runs", type=int, default=2 if QUICK else 5)
     ap.add_argument("--prefill", type=int, default=64 if QUICK else 256)
     ap.add_argument("--decode", type=int, default=4 if QUICK else 16)
     ap.add_argument("--models", nargs="+", default=list(MODELS))
-    ap.add_argument("--threads", type=int, nargs="+", default=[2, 1], help="thread counts (2 is the profiles' own)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[2], help="thread counts (2 is the profiles' own; 1 is steadier on a busy machine)")
     args = ap.parse_args()
     results = {
         f"{name} threads={t}": bench_model(name, args.runs, args.prefill, args.decode, None if t == 2 else t)

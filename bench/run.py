@@ -1,0 +1,106 @@
+"""Run the whole benchmark suite, one script after another, each in its own process.
+
+Each script writes ``bench/results/<name>.json`` and ``<name>.png``; this runner then prints the
+table of ratios (the one the README shows) from those files. ``--quick`` runs every script with
+small sizes and few repetitions, to check that the suite works end to end; its figures are not
+the ones to quote. ``--only NAME ...`` runs some of them.
+
+    .venv/bin/python bench/run.py [--quick] [--only ttft registry_throughput]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from common import RESULTS, ROOT, say
+
+#: In the order they run: the quick ones first, the store last (it grows the library longest).
+SUITE = ("verifier_throughput", "restore_floor", "registry_throughput", "invariant_profile", "ttft", "store_scaling")
+
+
+def _load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def table() -> list[str]:
+    """Markdown rows: ratio, measured, target, command; from the result files present."""
+    rows = ["| benchmark | ratio | measured | target | command |", "|---|---|---|---|---|"]
+
+    def add(name: str, what: str, value: str, target: str) -> None:
+        rows.append(f"| {name} | {what} | {value} | {target} | `.venv/bin/python bench/{name}.py` |")
+
+    r = _load("ttft")
+    if r:
+        for row in r["rows"]:
+            add("ttft", f"recompute / graft TTFT, {row['prefix_tokens']} tokens", f"{row['speedup_graft_vs_recompute']:.1f}x",
+                ">= 20x at 4K, growing")
+        for row in r["rows"]:
+            if "graft_over_llama_restore" in row:
+                add("ttft", f"graft / llama.cpp restore TTFT, {row['prefix_tokens']} tokens", f"{row['graft_over_llama_restore']:.2f}x", "<= 1x")
+    r = _load("restore_floor")
+    if r:
+        for row in r["rows"]:
+            for c in ("warm", "cold"):
+                add("restore_floor", f"restore / sha256sum, {row['kv_bytes'] / 1e6:.0f} MB, {c}",
+                    f"{row[c]['restore_over_sha256sum']:.2f}x", "<= 2x")
+    r = _load("registry_throughput")
+    if r:
+        for row in r["transfers"]:
+            add("registry_throughput", f"download kvgraft / nginx, {row['bytes'] / 2**20:.0f} MiB",
+                f"{row['download_ratio_kvgraft_over_nginx']:.2f}x", ">= 0.5x")
+        for row in r["transfers"]:
+            add("registry_throughput", f"upload kvgraft / hashlib sha256, {row['bytes'] / 2**20:.0f} MiB",
+                f"{row['upload_over_hashlib']:.2f}x", "limited by hashing")
+    r = _load("verifier_throughput")
+    if r:
+        add("verifier_throughput", "verifier hashing / sha256sum", f"{r['hashing']['ratio_verifier_over_sha256sum']:.2f}x", ">= 0.8x")
+    r = _load("invariant_profile")
+    if r:
+        for name, m in r["models"].items():
+            add("invariant_profile", f"invariant / default prefill time, {name}", f"{m['ratio_prefill']:.2f}x", "<= 1.3x")
+            add("invariant_profile", f"invariant / default decode time, {name}", f"{m['ratio_decode']:.2f}x", "<= 1.3x")
+    r = _load("store_scaling")
+    if r:
+        for name, g in r["growth_first_to_last_checkpoint"].items():
+            add("store_scaling", f"similar-lookup p50 growth for {g['store_growth']:.0f}x the store, {name}",
+                f"{g['similar_lookup_growth']:.2f}x", "sublinear")
+            add("store_scaling", f"peak RSS growth for {g['store_growth']:.0f}x the store, {name}", f"{g['peak_rss_growth']:.2f}x", "flat")
+    return rows
+
+
+def main() -> None:
+    """Run the suite; exit non-zero when any script failed (the others still run)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repetitions: a smoke run")
+    ap.add_argument("--only", nargs="+", choices=SUITE, help="run only these")
+    ap.add_argument("--table", action="store_true", help="only print the table from the existing results")
+    args = ap.parse_args()
+    if not args.table:
+        env = dict(os.environ)
+        if args.quick:
+            env["KVGRAFT_BENCH_QUICK"] = "1"
+        failed = []
+        timings = {}
+        for name in args.only or SUITE:
+            say(f"=== {name}")
+            t0 = time.perf_counter()
+            done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py")], env=env, check=False)
+            timings[name] = round(time.perf_counter() - t0, 1)
+            say(f"=== {name}: {'ok' if done.returncode == 0 else f'FAILED (exit {done.returncode})'} in {timings[name]:.0f} s")
+            if done.returncode != 0:
+                failed.append(name)
+        (RESULTS / "run.json").write_text(json.dumps({"seconds": timings, "failed": failed, "quick": args.quick}, indent=2) + "\n")
+    sys.stdout.write("\n".join(table()) + "\n")
+    if not args.table and failed:
+        raise SystemExit(f"benchmark(s) failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()
