@@ -160,11 +160,20 @@ def test_hostile_entry_text_is_shown_as_text(browser: Browser, live: tuple[Serve
     assert not browser.dialogs, f"a hostile string ran: {browser.dialogs}"
 
 
-def test_every_page_came_with_the_content_security_policy(browser: Browser) -> None:
-    assert len(browser.documents) >= 10
+def test_every_page_came_with_the_content_security_policy(browser: Browser, live: tuple[Server, World]) -> None:
+    server, world = live
+    for path in ("/", "/artifacts?q=light", f"/artifacts/{world.leaf.digest}", "/records",
+                 f"/records/{world.shifted_digest}", "/log", "/publishers", "/artifacts/sha256:" + "0" * 64):
+        browser.page.goto(server.url + path)
+    # Every document, stylesheet and script the browser loaded in this module's tests.
+    kinds = {url.rsplit("/", 1)[-1] for url, _ in browser.documents}
+    assert {"style.css", "app.js"} <= kinds
+    assert len(browser.documents) >= 8
     for url, headers in browser.documents:
         assert headers.get("content-security-policy") == CONTENT_SECURITY_POLICY, url
         assert headers.get("x-content-type-options") == "nosniff", url
+        assert headers.get("x-frame-options") == "DENY", url
+    assert not [m for m in browser.console if "Content Security Policy" in m], browser.console
 
 
 def _command_block(html: str, block: str) -> str:
