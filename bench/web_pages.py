@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import QUICK, ROOT, median, say, write_result
+from common import QUICK, ROOT, figure, median, say, write_result
 
 from kvgraft.registry import RegistrySettings
 from kvgraft.registry._internal.db import now_utc
@@ -356,6 +356,24 @@ def time_pages(url: str, paths: dict[str, str], runs: int) -> dict[str, Any]:
     }
 
 
+def plot(results: dict[str, Any]) -> None:
+    """Median and max per page against the target, as ``bench/results/web_pages.png``."""
+    with figure("web_pages") as fig:
+        if fig is None:
+            return
+        ax = fig.add_subplot(1, 1, 1)
+        names = list(results)
+        ys = range(len(names))
+        ax.barh(list(ys), [results[n]["median_ms"] for n in names], color="#1f5fa8", label="median")
+        ax.scatter([results[n]["max_ms"] for n in names], list(ys), color="#c77700", marker="|", s=120, label="max")
+        ax.axvline(TARGET_MS, color="#b42318", linestyle="--", linewidth=1, label=f"target {TARGET_MS:.0f} ms")
+        ax.set_yticks(list(ys), [n.replace("_", " ") for n in names])
+        ax.invert_yaxis()
+        ax.set_xlabel("ms per page (GET over HTTP, 127.0.0.1)")
+        ax.set_title("Provenance browser pages, 10,000 entries" if not QUICK else "Provenance browser pages (quick run)")
+        ax.legend(loc="lower right")
+
+
 def main() -> None:
     """Fill, serve, time, write ``bench/results/web_pages.json``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -382,6 +400,7 @@ def main() -> None:
             "pages": results,
             "met": all(r["met"] for r in results.values()),
         })
+        plot(results)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

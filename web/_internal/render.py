@@ -64,6 +64,8 @@ def environment() -> Environment:
         undefined=StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
+        # Templates ship with the package and never change under a running server: no stat per render.
+        auto_reload=False,
     )
     env.filters.update(short=short_digest, number=number, figure=figure, percent=percent, pretty_json=pretty_json)
     return env
