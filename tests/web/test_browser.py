@@ -67,23 +67,32 @@ class Browser:
 
 
 @pytest.fixture(scope="module")
-def browser(live: tuple[Server, World]) -> Iterator[Browser]:
+def chromium(live: tuple[Server, World]) -> Iterator[Any]:
+    """Headless Debian Chromium for this module."""
     from playwright.sync_api import sync_playwright
 
-    server, _ = live
     if not CHROMIUM.exists():
         pytest.fail(f"the browser tests need Debian's Chromium at {CHROMIUM}: apt-get install -y chromium (.ci/run does)")
     if SCREENSHOTS.exists():
         shutil.rmtree(SCREENSHOTS)
     SCREENSHOTS.mkdir(parents=True)
     with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        instance = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         try:
-            context = chromium.new_context(viewport={"width": 1280, "height": 900})
-            context.set_default_timeout(15_000)
-            yield Browser(context.new_page(), server.url)
+            yield instance
         finally:
-            chromium.close()
+            instance.close()
+
+
+@pytest.fixture(scope="module")
+def browser(chromium: Any, live: tuple[Server, World]) -> Iterator[Browser]:
+    server, _ = live
+    context = chromium.new_context(viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(15_000)
+    try:
+        yield Browser(context.new_page(), server.url)
+    finally:
+        context.close()
 
 
 def test_an_auditor_walks_from_the_overview_to_a_record(browser: Browser, live: tuple[Server, World]) -> None:
@@ -107,6 +116,7 @@ def test_an_auditor_walks_from_the_overview_to_a_record(browser: Browser, live: 
     assert world.middle.statement.predicate.source_text.text in page.inner_text("#text")
     assert "kvgraft-verify envelope art/statement.dsse.json" in page.inner_text("#verify")
     assert page.locator("svg.lineage a").count() == 2  # the root and the leaf are links
+    assert page.locator("button.copy").count() == 2  # /static/app.js ran under the CSP
     browser.shot("03-artifact")
 
     page.click(f"svg.lineage a[href='/artifacts/{world.root.digest}']")
@@ -174,6 +184,32 @@ def test_every_page_came_with_the_content_security_policy(browser: Browser, live
         assert headers.get("x-content-type-options") == "nosniff", url
         assert headers.get("x-frame-options") == "DENY", url
     assert not [m for m in browser.console if "Content Security Policy" in m], browser.console
+
+
+def test_pages_work_without_javascript(chromium: Any, live: tuple[Server, World]) -> None:
+    server, world = live
+    context = chromium.new_context(java_script_enabled=False, viewport={"width": 1280, "height": 900})
+    try:
+        page = context.new_page()
+        page.goto(server.url + "/")
+        page.fill("header form.search input[name=q]", "calvin")
+        page.click("header form.search button")
+        page.wait_for_url(re.compile(r"/artifacts\?q=calvin"))
+        page.click(f"#artifacts a[href='/artifacts/{world.leaf.digest}']")
+        page.click(f"a.lineage-parent[href='/artifacts/{world.middle.digest}']")
+        page.wait_for_url(f"**/artifacts/{world.middle.digest}")
+        page.goto(server.url + "/records")
+        page.select_option("form.filters select[name=type]", "evaluation")
+        page.click("form.filters button")
+        page.wait_for_url(re.compile(r"type=evaluation"))
+        assert page.locator("#records tbody tr").count() == 1
+        assert page.locator("button.copy").count() == 0  # the only scripted feature is absent, nothing else is
+        page.goto(f"{server.url}/artifacts/{world.middle.digest}")
+        browser_shot = SCREENSHOTS / "10-artifact-without-javascript.png"
+        page.screenshot(path=str(browser_shot), full_page=True)
+        assert "signature verified" in page.inner_text(".verdicts")
+    finally:
+        context.close()
 
 
 def _command_block(html: str, block: str) -> str:
