@@ -162,7 +162,12 @@ class Registry:
         """The signed checkpoint note at ``tree_size`` (default: the latest)."""
         if tree_size is None:
             return self.head.note
-        row = self.db.query_one("SELECT note FROM checkpoints WHERE tree_size = ?", [tree_size])
+        # Checked before the query: DuckDB refuses integers past 128 bits with an error of its own.
+        row = (
+            self.db.query_one("SELECT note FROM checkpoints WHERE tree_size = ?", [tree_size])
+            if 0 <= tree_size <= self.log.size
+            else None
+        )
         if row is None:
             raise NotFoundError(
                 f"no checkpoint was signed at tree size {tree_size} (the log has {self.log.size} entries)",

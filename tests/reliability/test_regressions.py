@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,57 @@ def test_sigstore_bundle_huge_integer_or_deep_nesting_escaped_as_value_or_recurs
     bundle.write_bytes(document)
     with pytest.raises(MalformedInputError, match=message):
         verify_bundle(bundle, "sha256:" + "0" * 64, CertificateIdentity("a@b", "https://issuer"))
+
+
+def test_checkpoint_tree_size_past_128_bits_was_500(tmp_path: Path, rkeys: dict[str, Key]) -> None:
+    # Was: DuckDB raised InvalidInputException for the huge parameter; the app answered 500.
+    with harness(tmp_path / "data", rkeys) as reg:
+        for size in ("9" * 400, str(2**128), "-" + "9" * 60):
+            r = reg.client.get("/v1/log/checkpoint", params={"tree_size": size})
+            assert r.status_code == 404, r.text
+            assert r.json()["type"].endswith("/not-found") and "no checkpoint was signed at tree size" in r.json()["detail"]
+
+
+def _bundle_with_altered_certificate(tmp_path: Path, alter: Callable[[bytes, bytes], bytes]) -> Path:
+    import base64
+    import json
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    vectors = Path(__file__).resolve().parents[3] / "shared" / "vectors" / "sigstore"
+    doc = json.loads((vectors / "bundle.txt.sigstore").read_text())
+    cert = doc["verificationMaterial"]["x509CertificateChain"]["certificates"][0]
+    der = base64.b64decode(cert["rawBytes"])
+    point = x509.load_der_x509_certificate(der).public_key().public_bytes(
+        serialization.Encoding.X962, serialization.PublicFormat.UncompressedPoint
+    )
+    cert["rawBytes"] = base64.b64encode(alter(der, point)).decode()
+    path = tmp_path / "altered.sigstore"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.mark.parametrize(
+    "alter",
+    [
+        # secp384r1's OID 1.3.132.0.34 made 0.3.132.0.34: cryptography raised UnsupportedAlgorithm
+        lambda der, point: der.replace(b"\x2b\x81\x04\x00\x22", b"\x03\x81\x04\x00\x22", 1),
+        # a point that is not on the curve: cryptography raised ValueError("Invalid key")
+        lambda der, point: der.replace(point, point[:40] + bytes([point[40] ^ 1]) + point[41:], 1),
+    ],
+    ids=["unknown-curve", "point-off-curve"],
+)
+def test_sigstore_certificate_with_altered_key_raised_unsupported_algorithm_or_value_error(
+    tmp_path: Path, alter: Callable[[bytes, bytes], bytes]
+) -> None:
+    from kvgraft.verifier._internal.bundles import CertificateIdentity, verify_bundle
+
+    vectors = Path(__file__).resolve().parents[3] / "shared" / "vectors" / "sigstore"
+    bundle = _bundle_with_altered_certificate(tmp_path, alter)
+    assert bundle.read_bytes() != (vectors / "bundle.txt.sigstore").read_bytes()
+    with pytest.raises(MalformedInputError, match="the signing certificate's public key cannot be read"):
+        verify_bundle(
+            bundle, vectors / "bundle.txt", CertificateIdentity("a@tny.town", "https://github.com/login/oauth"),
+            trusted_root=vectors / "trusted_root.sigstage.dev.json",
+        )

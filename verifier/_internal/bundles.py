@@ -870,7 +870,7 @@ def _check_entry_body(entry: _LogEntry, parts: _BundleParts, artifact: _Artifact
             _check_intoto_v002(body, content, signer)
         else:
             raise LogEntryError(f"unsupported log entry kind {entry.kind}/{entry.version} for a DSSE bundle")
-    except (KeyError, IndexError, TypeError, AttributeError, ValueError, binascii.Error) as e:
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, binascii.Error, UnsupportedAlgorithm) as e:
         raise LogEntryError(f"the {entry.kind}/{entry.version} log entry body is malformed ({e!r})") from e
 
 
@@ -1101,7 +1101,14 @@ def _verify_certificate_bundle(
             f"the signing certificate is for {_describe_identity(leaf)}, not {policy.identity} (issuer {policy.issuer})"
         ) from e
 
-    signing_key = leaf.public_key()
+    try:
+        signing_key = leaf.public_key()
+    except (ValueError, UnsupportedAlgorithm) as e:
+        # An altered certificate can carry a key on an unknown curve, or bytes that are no key.
+        raise MalformedInputError(
+            f"the signing certificate's public key cannot be read: {_one_line(e)}",
+            hint="the bundle was altered; fetch it again from its source",
+        ) from e
     if not isinstance(signing_key, (ec.EllipticCurvePublicKey, ed25519.Ed25519PublicKey, rsa.RSAPublicKey)):
         raise UntrustedRootError(f"the signing certificate has an unsupported {type(signing_key).__name__}")
     signer = _Signer(signing_key, leaf)
