@@ -18,8 +18,10 @@ from ._internal.artifacts import (
 from ._internal.errors import (
     ArtifactError,
     EngineError,
+    EvaluationError,
     InputTextError,
     KvFileError,
+    LibraryError,
     ModelFileError,
     ModelNotInstalledError,
     ProfileMismatchError,
@@ -46,7 +48,7 @@ from ._internal.profiles import DEFAULT_PROFILE, PROFILE_ALIASES, PROFILES, appl
 from ._internal.schedules import prefill, single_pass
 
 __all__ = [
-    "KernelError", "PROFILE_ALIASES", "ScheduleError", "prefill", "single_pass",
+    "EvaluationError", "KernelError", "LibraryError", "PROFILE_ALIASES", "ScheduleError", "prefill", "single_pass",
     "ArtifactError", "Captured", "Continuation", "DEFAULT_PROFILE", "EngineError", "InputTextError", "KVState",
     "KV_FILE", "KvFileError", "LoadedArtifact", "LoadedModel", "MODELS", "ModelFileError", "ModelNotInstalledError",
     "ModelSpec", "PROFILES", "ProfileMismatchError", "STATEMENT_FILE", "Segment", "UnknownModelError", "applied",

@@ -79,7 +79,7 @@ def entry_text(problem: str, solution: str, answer: str) -> str:
 
 def question_text(problem: str) -> str:
     """The text a new problem is asked with, after the instruction (and an entry, if any)."""
-    return f"Problem: {problem.strip()}\nSolution:"
+    return f"Problem: {problem.strip()}\nSolution: Let's think step by step."
 
 
 def clean_solution(solution: str) -> str:
@@ -186,8 +186,10 @@ class _TextIndex:
     def best(self, text: str) -> tuple[int, float] | None:
         if self.dirty:
             self._build()
-        query = {w: c * self._idf(w) for w, c in Counter(_WORD.findall(text.lower())).items() if w in self.postings}
-        qnorm = math.sqrt(sum(v * v for v in query.values()))
+        # Words no entry holds still count in the query's norm: extra words lower the score.
+        weights = {w: c * self._idf(w) for w, c in Counter(_WORD.findall(text.lower())).items()}
+        qnorm = math.sqrt(sum(v * v for v in weights.values()))
+        query = {w: v for w, v in weights.items() if w in self.postings}
         if not query or qnorm == 0:
             return None
         scores: dict[int, float] = {}

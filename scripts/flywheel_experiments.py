@@ -1,0 +1,198 @@
+"""The seed paper's flywheel experiments at our scale (issue 7), with signed records.
+
+    .venv/bin/python scripts/flywheel_experiments.py [--out results/flywheel] [--work DIR]
+        [--aime-budget 256] [--gsm8k-size 50] [--gsm8k-seed 2025] [--gsm8k-budget 192]
+        [--widening 1,5,10] [--only recurring,transfer,widening]
+
+1. Recurring case, AIME 2025: base model with a stated decode budget per problem vs answers
+   recalled from a library holding the verified answers (AIME ships no worked solutions, so the
+   library stores the key's answer as the solution: this measures the cost of answering a
+   repeat question from cached verified work, not problem solving).
+2. Held-out transfer, GSM8K: a library from gsm8k_train (worked solutions, each answer checked
+   by the grader); a fixed seeded slice of gsm8k_test answered by the base model and with the
+   most similar train entry grafted in front. Accuracy with a 95% Wilson interval; the paired
+   difference with a 95% interval (normal approximation on the per-item differences).
+3. Context widening: the train library grown to 1x, 5x, 10x smollm2-135m's 8,192-token window;
+   at each size a fresh process answers questions drawn across the whole store, and its peak
+   resident memory is read from the kernel (getrusage of the child).
+
+Every evaluation is a signed record under OUT (``kvgraft-verify eval`` re-checks it); the
+libraries (gigabytes of KV) stay under WORK. ``OUT/summary.json`` holds the table's figures, each
+with the record it comes from; ``OUT/README.md`` the table. Steps whose output exists are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "data" / "datasets"
+KVGRAFT = [sys.executable, "-m", "kvgraft"]
+MODEL = "smollm2-135m"
+WINDOW = 8192
+
+
+def run(args: list[str], **kw: Any) -> dict[str, Any]:
+    """Run a ``kvgraft --json`` command; return its JSON answer (exit non-zero on failure)."""
+    proc = subprocess.run([*KVGRAFT, "--json", *args], capture_output=True, text=True, check=False, **kw)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr)
+        raise SystemExit(f"failed: kvgraft {' '.join(args)}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def evaluation(record: Path) -> dict[str, Any]:
+    """The predicate of a signed evaluation record (read only; kvgraft-verify checks it)."""
+    import base64
+
+    env = json.loads((record / "record.dsse.json").read_text())
+    return json.loads(base64.b64decode(env["payload"]))["predicate"]
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion."""
+    if n == 0:
+        return (0.0, 0.0)
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def paired(base: list[bool], other: list[bool], z: float = 1.96) -> dict[str, float]:
+    """Mean paired difference (other - base) with a normal-approximation 95% interval."""
+    d = [int(o) - int(b) for b, o in zip(base, other, strict=True)]
+    n = len(d)
+    mean = sum(d) / n
+    var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else 0.0
+    half = z * math.sqrt(var / n)
+    return {"difference": mean, "low": mean - half, "high": mean + half,
+            "only_other_correct": sum(x == 1 for x in d), "only_base_correct": sum(x == -1 for x in d)}
+
+
+def recurring(out: Path, work: Path, budget: int) -> dict[str, Any]:
+    dataset = DATA / "aime2025.jsonl"
+    base, lib, library = out / "aime-base", out / "aime-library", work / "lib-aime"
+    if not base.exists():
+        run(["eval", "--model", MODEL, "--dataset", str(dataset), "--max-new-tokens", str(budget), "--out", str(base)])
+    if not (library / "library.json").exists() or not lib.exists():
+        run(["library", "deposit", "--model", MODEL, "--dataset", str(dataset), "--library", str(library), "--solutions-from-key"])
+    if not lib.exists():
+        run(["eval", "--model", MODEL, "--dataset", str(dataset), "--library", str(library), "--out", str(lib)])
+    b, g = evaluation(base), evaluation(lib)
+    return {
+        "dataset": "aime2025.jsonl", "problems": b["aggregates"]["items"], "decode_budget_base": budget,
+        "base": {**b["aggregates"], **{k: b["settings"][k] for k in ("seconds", "energy_joules", "energy_method")}, "record": base.name},
+        "library": {**g["aggregates"], **{k: g["settings"][k] for k in ("seconds", "energy_joules", "energy_method")}, "record": lib.name},
+        "decode_token_ratio": b["aggregates"]["decode_tokens"] / max(1, g["aggregates"]["decode_tokens"]),
+    }
+
+
+def transfer(out: Path, work: Path, size: int, seed: int, budget: int, train_limit: int) -> dict[str, Any]:
+    test, train = DATA / "gsm8k_test.jsonl", DATA / "gsm8k_train.jsonl"
+    base, lib, library = out / "gsm8k-base", out / "gsm8k-library", work / "lib-gsm8k"  # shared with widening
+    common = ["--dataset", str(test), "--limit", str(size), "--seed", str(seed), "--max-new-tokens", str(budget)]
+    if not (library / "library.json").exists():
+        run(["library", "deposit", "--model", MODEL, "--dataset", str(train), "--library", str(library), "--limit", str(train_limit)])
+    if not base.exists():
+        run(["eval", "--model", MODEL, *common, "--out", str(base)])
+    if not lib.exists():
+        run(["eval", "--model", MODEL, *common, "--library", str(library), "--out", str(lib)])
+    b, g = evaluation(base), evaluation(lib)
+    bc, gc = [i["correct"] for i in b["items"]], [i["correct"] for i in g["items"]]
+    return {
+        "dataset": "gsm8k_test.jsonl", "slice": {"size": size, "seed": seed}, "decode_budget": budget,
+        "library_entries_from_train": train_limit,
+        "base": {**b["aggregates"], "ci95": wilson(sum(bc), len(bc)), "record": base.name},
+        "library": {**g["aggregates"], "ci95": wilson(sum(gc), len(gc)), "record": lib.name},
+        "paired": paired(bc, gc),
+    }
+
+
+def widening(out: Path, work: Path, multiples: list[int], questions: int) -> dict[str, Any]:
+    """Grow one library past the window; at each size, a fresh process answers across it."""
+    import resource
+
+    train = DATA / "gsm8k_train.jsonl"
+    library = work / "lib-gsm8k"
+    rows = []
+    docs = train.read_text().splitlines()
+    for k in multiples:
+        target = k * WINDOW
+        step = 40
+        while True:
+            index = library / "index.jsonl"
+            lines = index.read_text().splitlines() if index.exists() else []
+            if sum(json.loads(line)["tokens"] for line in lines) >= target:
+                break
+            limit = (json.loads(lines[-1])["doc_index"] + 1 if lines else 0) + step
+            run(["library", "deposit", "--model", MODEL, "--dataset", str(train), "--library", str(library), "--limit", str(limit)])
+        entries = [json.loads(line) for line in (library / "index.jsonl").read_text().splitlines()]
+        # Questions spread evenly over the whole store: its first, last and every entry between.
+        picks = [entries[round(i * (len(entries) - 1) / (questions - 1))]["doc_index"] for i in range(questions)]
+        qfile = work / f"widening-{k}x.jsonl"
+        qfile.write_text("".join(docs[i] + "\n" for i in picks))
+        record = out / f"widening-{k}x"
+        if record.exists():
+            shutil.rmtree(record)
+        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([*KVGRAFT, "--json", "eval", "--model", MODEL, "--dataset", str(qfile), "--library", str(library),
+                                 "--max-new-tokens", "16", "--out", str(record)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        answer = json.loads(proc.stdout.read().strip().splitlines()[-1]) if proc.stdout else {}
+        if status != 0:
+            raise SystemExit(f"widening eval at {k}x failed")
+        rows.append({
+            "multiple": k, "entries": len(entries), "stored_tokens": sum(e["tokens"] for e in entries),
+            "window": WINDOW, "questions": questions, "correct": answer["correct"], "decode_tokens": answer["decode_tokens"],
+            "peak_rss_mib": round(usage.ru_maxrss / 1024, 1), "seconds": round(time.perf_counter() - t0, 1),
+            "record": record.name, "earlier_children_max_rss_kib": before,
+        })
+        sys.stderr.write(f"widening {k}x: {rows[-1]}\n")
+    return {"model": MODEL, "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "flywheel")
+    ap.add_argument("--work", type=Path, default=ROOT / ".experiments")
+    ap.add_argument("--aime-budget", type=int, default=256)
+    ap.add_argument("--gsm8k-size", type=int, default=50)
+    ap.add_argument("--gsm8k-seed", type=int, default=2025)
+    ap.add_argument("--gsm8k-budget", type=int, default=192)
+    ap.add_argument("--gsm8k-train", type=int, default=500, help="train problems offered to the transfer library")
+    ap.add_argument("--widening", default="1,5,10")
+    ap.add_argument("--widening-questions", type=int, default=10)
+    ap.add_argument("--only", default="recurring,widening,transfer")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    summary_path = args.out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    for part in args.only.split(","):
+        t0 = time.perf_counter()
+        if part == "recurring":
+            summary[part] = recurring(args.out, args.work, args.aime_budget)
+        elif part == "transfer":
+            summary[part] = transfer(args.out, args.work, args.gsm8k_size, args.gsm8k_seed, args.gsm8k_budget, args.gsm8k_train)
+        elif part == "widening":
+            summary[part] = widening(args.out, args.work, [int(x) for x in args.widening.split(",")], args.widening_questions)
+        else:
+            raise SystemExit(f"unknown part {part!r}")
+        summary[part]["wall_seconds"] = round(time.perf_counter() - t0, 1)
+        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+        sys.stderr.write(f"{part}: done in {summary[part]['wall_seconds']} s\n")
+
+
+if __name__ == "__main__":
+    main()
