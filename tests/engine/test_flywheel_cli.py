@@ -1,0 +1,142 @@
+"""The flywheel's commands end to end on the tiny model: deposit, ask, eval, pre-registration,
+replay and report against a real registry server on 127.0.0.1, each checked by the standalone
+verifier; and the commands' one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgraft.cli import main
+from kvgraft.verifier.cli import main as verify_main
+
+from ..registry.conftest import registry_cli, running_server
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "data" / "datasets"
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, dict[str, Any], str]:
+    code = main(["--json", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, json.loads(out.strip().splitlines()[-1]), err
+
+
+def _verify(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str]:
+    code = verify_main([*map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out + err
+
+
+@pytest.fixture()
+def trust(tmp_path: Path, key: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    path = tmp_path / "trusted-keys.json"
+    assert main(["keys", "trust", "--file", str(path), "--name", "alice", "--public-key", str(key.with_name("k.pem.pub"))]) == 0
+    capsys.readouterr()
+    return path
+
+
+def _subset(tmp_path: Path, source: Path, n: int) -> Path:
+    path = tmp_path / source.name
+    path.write_text("".join(source.read_text().splitlines(keepends=True)[:n]))
+    return path
+
+
+def test_deposit_ask_eval_prereg_replay_report_audit(tmp_path: Path, key: Path, trust: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    train = _subset(tmp_path, DATA / "gsm8k_train.jsonl", 3)
+    data = tmp_path / "registry"
+    with running_server(data) as server:
+        r = registry_cli("--json", "token", "create", "--data", data, "--publisher", "alice", "--key", key.with_name("k.pem.pub"))
+        assert r.returncode == 0, r.stderr
+        token = json.loads(r.stdout)["token"]
+        pin = ["--registry", server.url, "--token", token, "--registry-key", data / "registry-key.pub.pem"]
+        lib = tmp_path / "lib"
+
+        code, dep, err = _run(capsys, "library", "deposit", "--model", "tiny-llama-test", "--dataset", train,
+                              "--library", lib, "--key", key, *pin)
+        assert code == 0, err
+        assert (dep["deposited"], dep["refused"], dep["published"]) == (3, [], 4)  # the prefix and 3 entries
+
+        question = json.loads(train.read_text().splitlines()[1])["question"]
+        code, ans, err = _run(capsys, "ask", "--library", lib, "--question", question, "--trusted-keys", trust)
+        assert code == 0, err
+        assert ans["method"] == "exact" and 1 <= ans["decode_tokens"] <= 16 and ans["energy_method"] in ("measured", "estimated")
+
+        ev = tmp_path / "eval"
+        code, res, err = _run(capsys, "eval", "--model", "tiny-llama-test", "--dataset", train, "--library", lib,
+                              "--max-new-tokens", "8", "--out", ev, "--key", key)
+        assert code == 0, err
+        assert res["items"] == 3 and res["decode_tokens"] <= 3 * 16
+        code, out = _verify(capsys, "eval", ev, "--dataset", train, "--trusted-keys", trust)
+        assert code == 0 and "every hash, grade and aggregate recomputed" in out, out
+
+        prereg, replay = tmp_path / "prereg", tmp_path / "replay"
+        code, pr, err = _run(capsys, "prereg", "--eval", ev, "--dataset", train, "--library", lib, "--out", prereg, "--key", key, *pin)
+        assert code == 0, err
+        code, rp, err = _run(capsys, "replay", "--pre-registration", prereg, "--out", replay, "--key", key, *pin)
+        assert code == 0, err
+        assert rp["reproduced"] is True and rp["pre_registration_log_index"] == pr["log_index"] < rp["replay_log_index"]
+        code, out = _verify(capsys, "replay", replay, "--pre-registration", prereg, "--trusted-keys", trust,
+                            "--checkpoint", replay / "checkpoint.txt", "--registry-key", data / "registry-key.pub.pem")
+        assert code == 0, out
+
+        for rec in (ev,):
+            assert _run(capsys, "publish", *pin[:2], "--registry-key", pin[-1], rec)[0] == 0
+        report = tmp_path / "report"
+        code, rep, err = _run(capsys, "report", "--registry", server.url, "--registry-key", data / "registry-key.pub.pem",
+                              "--out", report, "--trusted-keys", trust, "--dataset", train)
+        assert code == 0, err
+        assert rep["entries"] == {"artifacts": 4, "pre-registrations": 1, "replays": 1, "evaluations": 1}
+    code, out = _verify(capsys, "audit", report)
+    assert code == 0, out
+    assert "REFUTED" not in out and "accuracy" in out and "reproduced" in out
+
+    # One flipped grade in the pulled evaluation: the audit names it.
+    rec = next((report / "evaluations").iterdir())
+    outputs = rec / "outputs.jsonl"
+    lines = outputs.read_bytes().splitlines(keepends=True)
+    first = json.loads(lines[0])
+    first["output"] += " 12345"
+    from kvgraft.schemas import canonical_json
+
+    outputs.write_bytes(canonical_json(first) + b"\n" + b"".join(lines[1:]))
+    code, out = _verify(capsys, "audit", report)
+    assert code == 1 and "REFUTED" in out, out
+
+
+def test_base_eval_record_verifies_and_altered_outputs_are_refused(tmp_path: Path, key: Path, trust: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    aime = _subset(tmp_path, DATA / "aime2025.jsonl", 2)
+    ev = tmp_path / "eval"
+    code, res, err = _run(capsys, "eval", "--model", "tiny-llama-test", "--dataset", aime, "--max-new-tokens", "4", "--out", ev, "--key", key)
+    assert code == 0, err
+    assert res["items"] == 2 and res["decode_tokens"] <= 8 and res["prompt_tokens"] > 100
+    assert _verify(capsys, "eval", ev, "--dataset", aime, "--trusted-keys", trust)[0] == 0
+    altered = tmp_path / "altered"
+    shutil.copytree(ev, altered)
+    (altered / "outputs.jsonl").write_bytes((altered / "outputs.jsonl").read_bytes().replace(b'"output":"', b'"output":"7', 1))
+    code, out = _verify(capsys, "eval", altered, "--dataset", aime, "--trusted-keys", trust)
+    assert code == 1 and "outputs.jsonl" in out, out
+    # Writing over an existing record is refused, and nothing is changed.
+    before = (ev / "record.dsse.json").read_bytes()
+    code, res, err = _run(capsys, "eval", "--model", "tiny-llama-test", "--dataset", aime, "--max-new-tokens", "4", "--out", ev, "--key", key)
+    assert code == 1 and "already exists and is not an empty directory" in err
+    assert (ev / "record.dsse.json").read_bytes() == before
+
+
+def test_refusals_are_one_line(tmp_path: Path, key: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    aime = _subset(tmp_path, DATA / "aime2025.jsonl", 2)
+    code, res, err = _run(capsys, "library", "deposit", "--model", "tiny-llama-test", "--dataset", aime, "--library", tmp_path / "l", "--key", key)
+    assert code == 1 and "holds no worked solutions" in err and "--solutions-from-key" in err
+    assert err.count("\n") == 1
+    code, res, err = _run(capsys, "ask", "--library", tmp_path / "nowhere", "--question", "2+2?")
+    assert code == 1 and "is not a library" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "x"}\n')
+    code, res, err = _run(capsys, "eval", "--model", "tiny-llama-test", "--dataset", bad, "--out", tmp_path / "e", "--key", key)
+    assert code == 1 and err.startswith("kvgraft: ") and err.count("\n") == 1, err
+    assert not (tmp_path / "e").exists()
