@@ -50,6 +50,9 @@ def table() -> list[str]:
             for c in ("warm", "cold"):
                 add("restore_floor", f"restore / sha256sum, {row['kv_bytes'] / 1e6:.0f} MB, {c}",
                     f"{row[c]['restore_over_sha256sum']:.2f}x", "<= 2x")
+                if "restore_over_openssl" in row[c]:
+                    add("restore_floor", f"restore / openssl sha256, {row['kv_bytes'] / 1e6:.0f} MB, {c}",
+                        f"{row[c]['restore_over_openssl']:.2f}x", "(stricter floor)")
     r = _load("registry_throughput")
     if r:
         for row in r["transfers"]:
@@ -61,6 +64,9 @@ def table() -> list[str]:
     r = _load("verifier_throughput")
     if r:
         add("verifier_throughput", "verifier hashing / sha256sum", f"{r['hashing']['ratio_verifier_over_sha256sum']:.2f}x", ">= 0.8x")
+        if "ratio_verifier_over_openssl" in r["hashing"]:
+            add("verifier_throughput", "verifier hashing / openssl sha256", f"{r['hashing']['ratio_verifier_over_openssl']:.2f}x",
+                "(stricter reference)")
     r = _load("invariant_profile")
     if r:
         for name, m in r["models"].items():
@@ -96,7 +102,12 @@ def main() -> None:
             say(f"=== {name}: {'ok' if done.returncode == 0 else f'FAILED (exit {done.returncode})'} in {timings[name]:.0f} s")
             if done.returncode != 0:
                 failed.append(name)
-        (RESULTS / "run.json").write_text(json.dumps({"seconds": timings, "failed": failed, "quick": args.quick}, indent=2) + "\n")
+        # Merged into the last run's record, so that a partial run (--only) keeps the others' times.
+        previous = _load("run") or {}
+        record = {"seconds": {**previous.get("seconds", {}), **timings},
+                  "failed": sorted({*previous.get("failed", []), *failed} - {n for n in timings if n not in failed}),
+                  "quick": args.quick}
+        (RESULTS / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     sys.stdout.write("\n".join(table()) + "\n")
     if not args.table and failed:
         raise SystemExit(f"benchmark(s) failed: {', '.join(failed)}")

@@ -81,12 +81,12 @@ def chain_ids(art: Any) -> list[int]:
 class LlamaCpp:
     """llama.cpp through llama-cpp-python on the model's own GGUF file, one context for all runs."""
 
-    def __init__(self, gguf: Path, n_ctx: int) -> None:
+    def __init__(self, gguf: Path, n_ctx: int, threads: int) -> None:
         import llama_cpp
 
         self.lib = llama_cpp
-        # Two threads, like the torch side; the default batch sizes.
-        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=2, n_threads_batch=2, verbose=False)
+        # As many threads as the torch side; the default batch sizes.
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
         self.version = getattr(llama_cpp, "__version__", "unknown")
 
     def clear(self) -> None:
@@ -124,10 +124,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=2 if QUICK else 3)
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024] if QUICK else [256, 1024, 2048, 4096, 8160])
+    ap.add_argument("--threads", type=int, default=2,
+                    help="threads for every method (2 is the profile's own; 1 is steadier on a machine others load)")
     args = ap.parse_args()
     spec = spec_for(MODEL)
     model = load_model(MODEL)
     profile = current_profile("cpu-fp32")
+    if args.threads != profile.threads:
+        profile = profile.model_copy(update={"threads": args.threads})
     q_ids = model.tokenizer.encode(QUESTION, first=False)
 
     from transformers import AutoModelForCausalLM
@@ -136,7 +140,7 @@ def main() -> None:
     plain_attn = plain.config._attn_implementation
 
     try:
-        llama: LlamaCpp | None = LlamaCpp(locate_gguf(spec), spec.window)
+        llama: LlamaCpp | None = LlamaCpp(locate_gguf(spec), spec.window, args.threads)
         llama_note = None
     except ImportError:
         llama, llama_note = None, "llama-cpp-python is not installed (make bench installs it): no llama.cpp figures"
@@ -164,7 +168,7 @@ def main() -> None:
             reps = args.runs if length < 4096 else max(2, args.runs - 1)
             for r in range(reps):
                 # recompute, plain transformers
-                torch.set_num_threads(2)
+                torch.set_num_threads(args.threads)
                 with torch.inference_mode():
                     t0 = time.perf_counter()
                     plain(input_ids=torch.tensor([full]), logits_to_keep=1)
@@ -214,17 +218,17 @@ def main() -> None:
         "model": MODEL,
         "gguf": str(locate_gguf(spec).name),
         "recompute_attention": plain_attn,
-        "threads": 2,
+        "threads": args.threads,
         "llama_cpp": None if llama is None else {"version": llama.version, "kv_type": "f16 (default)"},
         "note": llama_note,
         "target": {"graft_speedup_at_4k_min": TARGET_SPEEDUP_4K, "graft_over_llama_restore_max": 1.0},
         "rows": rows,
         "met": met,
     })
-    plot(rows)
+    plot(rows, args.threads)
 
 
-def plot(rows: list[dict[str, Any]]) -> None:
+def plot(rows: list[dict[str, Any]], threads: int) -> None:
     """TTFT (log scale) against prefix length, one line per method."""
     with figure("ttft") as fig:
         if fig is None:
@@ -240,7 +244,7 @@ def plot(rows: list[dict[str, Any]]) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("prefix tokens")
         ax.set_ylabel("time to first token (s, median)")
-        ax.set_title("Time to first token, smollm2-135m, 2 threads")
+        ax.set_title(f"Time to first token, smollm2-135m, {threads} thread(s)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
 
