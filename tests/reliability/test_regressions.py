@@ -146,3 +146,30 @@ def test_sigstore_certificate_with_altered_key_raised_unsupported_algorithm_or_v
             bundle, vectors / "bundle.txt", CertificateIdentity("a@tny.town", "https://github.com/login/oauth"),
             trusted_root=vectors / "trusted_root.sigstage.dev.json",
         )
+
+
+def test_sigstore_certificate_with_unparsable_extensions_raised_value_error(tmp_path: Path) -> None:
+    # Was: describing the identity of a certificate whose SAN does not parse raised ValueError
+    # from cryptography while the IdentityMismatchError was being made.
+    import base64
+    import json
+
+    from kvgraft.verifier import IdentityMismatchError
+    from kvgraft.verifier._internal.bundles import CertificateIdentity, verify_bundle
+
+    vectors = Path(__file__).resolve().parents[3] / "shared" / "vectors" / "sigstore"
+    doc = json.loads((vectors / "staging-rekor-v2.txt.sigstore.json").read_text())
+    cert = doc["verificationMaterial"]["certificate"]
+    der = base64.b64decode(cert["rawBytes"])
+    i = der.index(bytes.fromhex("0603551d11")) + 5  # after the subjectAltName OID
+    i += 3 if der[i] == 0x01 else 0  # a 'critical' BOOLEAN
+    i += 2  # the OCTET STRING's tag and length: i is the SAN's SEQUENCE tag
+    assert der[i] == 0x30
+    cert["rawBytes"] = base64.b64encode(der[:i] + b"\x00" + der[i + 1 :]).decode()
+    bundle = tmp_path / "altered.sigstore.json"
+    bundle.write_text(json.dumps(doc))
+    with pytest.raises(IdentityMismatchError, match="the signing certificate is for no identity"):
+        verify_bundle(
+            bundle, vectors / "staging-rekor-v2.txt", CertificateIdentity("jku@goto.fi", "https://github.com/login/oauth"),
+            trusted_root=vectors / "trusted_root.sigstage.dev.json",
+        )

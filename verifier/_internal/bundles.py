@@ -1177,6 +1177,11 @@ def _is_root_ca(certificate: x509.Certificate) -> bool:
         return bool(certificate.extensions.get_extension_for_class(x509.BasicConstraints).value.ca)
     except x509.ExtensionNotFound:
         return False
+    except ValueError as e:
+        raise MalformedInputError(
+            f"a certificate in the bundle's chain has extensions that do not parse: {_one_line(e)}",
+            hint="the bundle was altered; fetch it again from its source",
+        ) from e
 
 
 def _describe_identity(certificate: x509.Certificate) -> str:
@@ -1185,13 +1190,14 @@ def _describe_identity(certificate: x509.Certificate) -> str:
         names = [str(v) for v in san.get_values_for_type(x509.RFC822Name)]
         names += [str(v) for v in san.get_values_for_type(x509.UniformResourceIdentifier)]
         names += [o.value.decode(errors="replace") for o in san.get_values_for_type(x509.OtherName)]
-    except x509.ExtensionNotFound:
+    except (x509.ExtensionNotFound, ValueError):
+        # ValueError: extensions that do not parse (an altered certificate); it is described, then refused.
         names = []
     issuer = None
     for oid, der_encoded in (("1.3.6.1.4.1.57264.1.8", True), ("1.3.6.1.4.1.57264.1.1", False)):
         try:
             value = certificate.extensions.get_extension_for_oid(x509.ObjectIdentifier(oid)).value
-        except x509.ExtensionNotFound:
+        except (x509.ExtensionNotFound, ValueError):
             continue
         raw = getattr(value, "value", b"")
         # The v2 issuer extension is a DER UTF8String (tag, length, text); v1 is raw text.
