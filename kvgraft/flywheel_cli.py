@@ -256,14 +256,17 @@ def _cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
         prereg_index = log_index_of(client, prereg_envelope)
         statement = run_replay(args.pre_registration, args.out, log_index=prereg_index, key=key, passphrase=passphrase)
         published = _publish(client, args.out, args.registry_key)
-        proven = write_log_proofs(client, reg_key, [args.pre_registration, args.out], args.out / "checkpoint.txt")
+        # Beside the replay, not in it: the record directory holds only its subjects and log.json.
+        checkpoint = args.checkpoint_out or args.out.with_name(args.out.name + ".checkpoint.txt")
+        proven = write_log_proofs(client, reg_key, [args.pre_registration, args.out], checkpoint)
     p = statement.predicate
     return {
         "replay": str(args.out), "reproduced": p.reproduced, "outputs": len(p.output_hashes),
         "pre_registration_log_index": prereg_index, "replay_log_index": published.log_index, "tree_size": proven.tree_size,
+        "checkpoint": str(checkpoint),
         "summary": f"{args.out}: replay {'reproduced' if p.reproduced else 'DID NOT reproduce'} all "
         f"{len(p.output_hashes)} pre-registered outputs; pre-registration entry {prereg_index}, replay entry "
-        f"{published.log_index}; proofs at tree size {proven.tree_size}",
+        f"{published.log_index}; proofs at tree size {proven.tree_size} in log.json, checkpoint in {checkpoint}",
     }
 
 
@@ -353,6 +356,7 @@ def add_flywheel_commands(sub: Any, guard: Callable[[Command], Command] = lambda
     rp = sub.add_parser("replay", help="run a logged pre-registration in a fresh process and publish the replay record")
     rp.add_argument("--pre-registration", type=Path, required=True)
     rp.add_argument("--out", type=Path, required=True)
+    rp.add_argument("--checkpoint-out", type=Path, help="where the signed checkpoint goes (default: OUT.checkpoint.txt)")
     key_opts(rp)
     registry_opts(rp, required=True)
     rp.set_defaults(run=guard(_cmd_replay))

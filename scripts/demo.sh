@@ -179,7 +179,7 @@ show "$BIN/kvgraft" prereg --eval "$OUT/eval-aime-library" --dataset "$AIME" --l
   --out "$OUT/prereg" --key "$OUT/alice.pem" "${PIN[@]}"
 show "$BIN/kvgraft" replay --pre-registration "$OUT/prereg" --out "$OUT/replay" --key "$OUT/alice.pem" "${PIN[@]}"
 show "$BIN/kvgraft-verify" replay "$OUT/replay" --pre-registration "$OUT/prereg" --trusted-keys "$OUT/trusted-keys.json" \
-  --checkpoint "$OUT/replay/checkpoint.txt" --registry-key "$OUT/registry/registry-key.pub.pem"
+  --checkpoint "$OUT/replay.checkpoint.txt" --registry-key "$OUT/registry/registry-key.pub.pem"
 
 step "18. Pull everything back from the registry into a report folder and audit it offline"
 show "$BIN/kvgraft" report "${PIN[@]}" --out "$OUT/report" --trusted-keys "$OUT/trusted-keys.json" \

@@ -162,6 +162,42 @@ def widening(out: Path, work: Path, multiples: list[int], questions: int) -> dic
     return {"model": MODEL, "rows": rows}
 
 
+def table(summary: dict[str, Any]) -> str:
+    """The README's markdown tables, from ``summary.json``."""
+    out = []
+    if "recurring" in summary:
+        r = summary["recurring"]
+        out += ["### Recurring case: AIME 2025 (30 problems), smollm2-135m", "",
+                "| run | solved | prompt tokens | decode tokens | seconds | energy (J) | record |", "|---|---|---|---|---|---|---|"]
+        for label, key in ((f"base, {r['decode_budget_base']}-token budget", "base"), ("from the library (recall)", "library")):
+            a = r[key]
+            out.append(f"| {label} | {a['correct']}/{a['items']} | {a['prompt_tokens']} | {a['decode_tokens']} | {a['seconds']} | "
+                       f"{a['energy_joules']} ({a['energy_method']}) | `results/flywheel/{a['record']}` |")
+        out += ["", f"Decode tokens, base / library: {r['decode_token_ratio']:.1f}x.", ""]
+    if "transfer" in summary:
+        t = summary["transfer"]
+        out += [f"### Held-out transfer: GSM8K test, {t['slice']['size']} problems drawn with seed {t['slice']['seed']}, "
+                f"{t['decode_budget']}-token budget", "",
+                "| run | correct | accuracy (95% Wilson) | decode tokens | record |", "|---|---|---|---|---|"]
+        for label, key in (("base", "base"), ("graft of the most similar train solution", "library")):
+            a = t[key]
+            out.append(f"| {label} | {a['correct']}/{a['items']} | {a['accuracy']:.3f} [{a['ci95'][0]:.3f}, {a['ci95'][1]:.3f}] | "
+                       f"{a['decode_tokens']} | `results/flywheel/{a['record']}` |")
+        p = t["paired"]
+        out += ["", f"Paired difference (graft - base): {p['difference']:+.3f}, 95% interval [{p['low']:+.3f}, {p['high']:+.3f}] "
+                f"({p['only_other_correct']} problems only the graft solved, {p['only_base_correct']} only the base).", ""]
+    if "widening" in summary:
+        w = summary["widening"]
+        out += ["### Context widening: one library grown past the 8,192-token window", "",
+                "| store | entries | stored tokens | questions answered correctly | decode tokens | peak RSS (MiB) | record |",
+                "|---|---|---|---|---|---|---|"]
+        for row in w["rows"]:
+            out.append(f"| {row['multiple']}x window | {row['entries']} | {row['stored_tokens']} | {row['correct']}/{row['questions']} | "
+                       f"{row['decode_tokens']} | {row['peak_rss_mib']} | `results/flywheel/{row['record']}` |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "flywheel")
@@ -185,6 +221,9 @@ def main() -> None:
             summary[part] = recurring(args.out, args.work, args.aime_budget)
         elif part == "transfer":
             summary[part] = transfer(args.out, args.work, args.gsm8k_size, args.gsm8k_seed, args.gsm8k_budget, args.gsm8k_train)
+        elif part == "table":
+            (args.out / "README.md").write_text(table(summary))
+            continue
         elif part == "widening":
             summary[part] = widening(args.out, args.work, [int(x) for x in args.widening.split(",")], args.widening_questions)
         else:

@@ -81,7 +81,7 @@ def test_deposit_ask_eval_prereg_replay_report_audit(tmp_path: Path, key: Path, 
         assert code == 0, err
         assert rp["reproduced"] is True and rp["pre_registration_log_index"] == pr["log_index"] < rp["replay_log_index"]
         code, out = _verify(capsys, "replay", replay, "--pre-registration", prereg, "--trusted-keys", trust,
-                            "--checkpoint", replay / "checkpoint.txt", "--registry-key", data / "registry-key.pub.pem")
+                            "--checkpoint", rp["checkpoint"], "--registry-key", data / "registry-key.pub.pem")
         assert code == 0, out
 
         for rec in (ev,):
