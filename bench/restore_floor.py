@@ -69,9 +69,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=2 if QUICK else 5)
     ap.add_argument("--tokens", type=int, nargs="+", default=[256] if QUICK else [512, 2048])
+    ap.add_argument("--threads", type=int, default=2,
+                    help="threads for capture and restore (2 is the profile's own; 1 is steadier on a machine others load)")
     args = ap.parse_args()
     model = load_model(MODEL)
     profile = current_profile("cpu-fp32")
+    if args.threads != profile.threads:
+        profile = profile.model_copy(update={"threads": args.threads})
     key, _ = ensure_local_key()
     ids = model.tokenizer.encode(corpus_text(max(args.tokens) * 6), first=True)
     rows: list[dict[str, Any]] = []
@@ -122,6 +126,7 @@ def main() -> None:
     write_result("restore_floor", {
         "description": "graft restore (verified load + cache rebuild) vs cat and sha256sum of the same bytes, warm and cold",
         "model": MODEL,
+        "threads": args.threads,
         "cold_method": "posix_fadvise(POSIX_FADV_DONTNEED) on the artifact's kv file before each cold run",
         "cold_eviction_confirmed_by_fincore": None if all(c is None for c in confirmed) else all(bool(c) for c in confirmed),
         "target": {"restore_over_sha256sum_max": TARGET_RATIO},
