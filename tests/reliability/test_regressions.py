@@ -173,3 +173,26 @@ def test_sigstore_certificate_with_unparsable_extensions_raised_value_error(tmp_
             bundle, vectors / "staging-rekor-v2.txt", CertificateIdentity("jku@goto.fi", "https://github.com/login/oauth"),
             trusted_root=vectors / "trusted_root.sigstage.dev.json",
         )
+
+
+def test_sigstore_certificate_with_unknown_version_raised_invalid_version(tmp_path: Path) -> None:
+    # Was: cryptography's x509.InvalidVersion (not a ValueError) escaped the certificate reader.
+    import base64
+    import json
+
+    from kvgraft.verifier._internal.bundles import CertificateIdentity, verify_bundle
+
+    vectors = Path(__file__).resolve().parents[3] / "shared" / "vectors" / "sigstore"
+    doc = json.loads((vectors / "bundle.txt.sigstore").read_text())
+    cert = doc["verificationMaterial"]["x509CertificateChain"]["certificates"][0]
+    der = base64.b64decode(cert["rawBytes"])
+    v3 = b"\xa0\x03\x02\x01\x02"  # [0] EXPLICIT INTEGER 2: X.509 v3
+    assert v3 in der
+    cert["rawBytes"] = base64.b64encode(der.replace(v3, b"\xa0\x03\x02\x01\x05", 1)).decode()
+    bundle = tmp_path / "altered.sigstore"
+    bundle.write_text(json.dumps(doc))
+    with pytest.raises(MalformedInputError, match="bundle certificate 0 is not a DER X.509 certificate"):
+        verify_bundle(
+            bundle, vectors / "bundle.txt", CertificateIdentity("a@tny.town", "https://github.com/login/oauth"),
+            trusted_root=vectors / "trusted_root.sigstage.dev.json",
+        )

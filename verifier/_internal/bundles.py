@@ -448,7 +448,8 @@ def _parse_signer_material(material: dict[str, object]) -> tuple[x509.Certificat
         der = _as_bytes(raw, f"certificate[{i}].rawBytes")
         try:
             certificates.append(x509.load_der_x509_certificate(der))
-        except ValueError as e:
+        except (ValueError, x509.InvalidVersion) as e:
+            # InvalidVersion is no ValueError: a version field other than v1 or v3.
             raise MalformedInputError(f"bundle certificate {i} is not a DER X.509 certificate") from e
     return tuple(certificates)
 
@@ -870,7 +871,7 @@ def _check_entry_body(entry: _LogEntry, parts: _BundleParts, artifact: _Artifact
             _check_intoto_v002(body, content, signer)
         else:
             raise LogEntryError(f"unsupported log entry kind {entry.kind}/{entry.version} for a DSSE bundle")
-    except (KeyError, IndexError, TypeError, AttributeError, ValueError, binascii.Error, UnsupportedAlgorithm) as e:
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, binascii.Error, UnsupportedAlgorithm, x509.InvalidVersion) as e:
         raise LogEntryError(f"the {entry.kind}/{entry.version} log entry body is malformed ({e!r})") from e
 
 
