@@ -106,3 +106,49 @@ def _replace_text(doc: Any, path: tuple[Any, ...], raw: str) -> bytes:
 def flip_byte(data: bytes, index: int, xor: int = 0x01) -> bytes:
     """``data`` with byte ``index`` xor-ed with ``xor``."""
     return data[:index] + bytes([data[index] ^ xor]) + data[index + 1 :]
+
+
+def _b64_paths(doc: Any) -> list[tuple[Any, ...]]:
+    import base64
+    import binascii
+
+    out = []
+    for path in _paths(doc):
+        value = doc
+        for p in path:
+            value = value[p]
+        if isinstance(value, str) and len(value) >= 16:
+            try:
+                base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError):
+                continue
+            out.append(path)
+    return out
+
+
+@st.composite
+def mutated_b64_field(draw: st.DrawFn, original: Any) -> bytes:
+    """``original`` as JSON with one base64 field's *decoded* bytes damaged (flip, cut, insert),
+    re-encoded: reaches the parsers behind the base64 (certificates, signatures, log bodies)."""
+    import base64
+
+    doc = copy.deepcopy(original)
+    paths = _b64_paths(doc)
+    if not paths:
+        return json.dumps(doc).encode()
+    path = draw(st.sampled_from(paths))
+    value = doc
+    for p in path:
+        value = value[p]
+    raw = base64.b64decode(value)
+    i = draw(st.integers(min_value=0, max_value=max(0, len(raw) - 1)))
+    how = draw(st.sampled_from(["flip", "cut", "insert", "set"]))
+    if how == "flip" and raw:
+        raw = flip_byte(raw, i, draw(st.integers(1, 255)))
+    elif how == "cut":
+        raw = raw[:i] + raw[i + draw(st.integers(1, 16)) :]
+    elif how == "insert":
+        raw = raw[:i] + draw(st.binary(min_size=1, max_size=8)) + raw[i:]
+    elif raw:
+        raw = raw[:i] + bytes([draw(st.sampled_from([0x00, 0x01, 0x02, 0x05, 0x30, 0x7F, 0x80, 0xFF]))]) + raw[i + 1 :]
+    return json.dumps(_set(doc, path, base64.b64encode(raw).decode())).encode()

@@ -40,7 +40,7 @@ from kvgraft.verifier import (
 from kvgraft.verifier._internal.bundles import CertificateIdentity, verify_bundle
 from tests.registry.conftest import Key, artifact
 from tests.reliability.conftest import Figures, Scale
-from tests.reliability.hostile import JSON_VALUES, mutated_json
+from tests.reliability.hostile import JSON_VALUES, mutated_b64_field, mutated_json
 
 VECTORS = Path(__file__).resolve().parents[3] / "shared" / "vectors"
 
@@ -134,7 +134,7 @@ def test_dsse_envelopes(scale: Scale, figures: Figures, signed: dict[str, Any], 
     trusted = TrustedKeys((trusted_key("alice", rkeys["alice"].private.public_key()),))
 
     @_settings(scale)
-    @given(data=mutated_json(signed["doc"]))
+    @given(data=st.one_of(mutated_json(signed["doc"]), mutated_b64_field(signed["doc"])))
     def prop(data: bytes) -> None:
         figures.count("parsers", "dsse_envelope")
         try:
@@ -197,7 +197,7 @@ def test_sigstore_bundles_mutated(scale: Scale, figures: Figures, tmp_path_facto
     def prop(data: st.DataObject) -> None:
         art, name, identity, issuer = data.draw(st.sampled_from(_BUNDLES))
         path = work / "bundle.json"
-        path.write_bytes(data.draw(mutated_json(originals[name])))
+        path.write_bytes(data.draw(st.one_of(mutated_json(originals[name]), mutated_b64_field(originals[name]))))
         figures.count("parsers", "sigstore_bundle")
         try:
             result = verify_bundle(path, root / art, CertificateIdentity(identity, issuer), trusted_root=staging)
@@ -217,7 +217,7 @@ def test_registry_envelope_pipeline(scale: Scale, figures: Figures, signed: dict
     registered = {alice.keyid: (alice, "alice"), bob.keyid: (bob, "bob")}
 
     @_settings(scale)
-    @given(body=st.one_of(mutated_json(signed["doc"]), st.binary(max_size=200)))
+    @given(body=st.one_of(mutated_json(signed["doc"]), mutated_b64_field(signed["doc"]), st.binary(max_size=200)))
     def prop(body: bytes) -> None:
         figures.count("parsers", "registry_pipeline")
         try:
