@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024] if QUICK else [256, 1024, 2048, 4096, 8160])
     ap.add_argument("--threads", type=int, default=2,
                     help="threads for every method (2 is the profile's own; 1 is steadier on a machine others load)")
+    ap.add_argument("--skip-llama-recompute", action="store_true", help="leave out llama.cpp's own recompute (not a target)")
     args = ap.parse_args()
     spec = spec_for(MODEL)
     model = load_model(MODEL)
@@ -189,10 +190,11 @@ def main() -> None:
                     runs["llama_restore"].append(time.perf_counter() - t0)
                     if n != len(prefix):
                         raise SystemExit(f"llama.cpp restored {n} tokens, not {len(prefix)}")
-                    llama.clear()
-                    t0 = time.perf_counter()
-                    llama.eval(full)
-                    runs["llama_recompute"].append(time.perf_counter() - t0)
+                    if not args.skip_llama_recompute:
+                        llama.clear()
+                        t0 = time.perf_counter()
+                        llama.eval(full)
+                        runs["llama_recompute"].append(time.perf_counter() - t0)
                 say(f"L={len(prefix)} run {r + 1}/{reps}: " + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in runs.items() if v))
             row["runs"] = {k: v for k, v in runs.items() if v}
             row["median_s"] = {k: median(v) for k, v in row["runs"].items()}
@@ -200,7 +202,8 @@ def main() -> None:
             row["speedup_graft_vs_recompute"] = m["recompute"] / m["graft"]
             if llama is not None:
                 row["graft_over_llama_restore"] = m["graft"] / m["llama_restore"]
-                row["speedup_llama_restore_vs_llama_recompute"] = m["llama_recompute"] / m["llama_restore"]
+                if "llama_recompute" in m:
+                    row["speedup_llama_restore_vs_llama_recompute"] = m["llama_recompute"] / m["llama_restore"]
                 state_file.unlink()
             rows.append(row)
             say(f"L={len(prefix)}: graft {row['speedup_graft_vs_recompute']:.1f}x faster than recompute")
