@@ -237,12 +237,12 @@ def plot(rows: list[dict[str, Any]], threads: int) -> None:
         if fig is None:
             return
         ax = fig.add_subplot(1, 1, 1)
-        xs = [r["prefix_tokens"] for r in rows]
         labels = {"recompute": "recompute (transformers)", "graft": "kvgraft graft (verified)",
                   "llama_restore": "llama.cpp state restore", "llama_recompute": "llama.cpp recompute"}
         for key, label in labels.items():
-            if all(key in r["median_s"] for r in rows):
-                ax.plot(xs, [r["median_s"][key] for r in rows], marker="o", label=label)
+            have = [r for r in rows if key in r["median_s"]]
+            if have:
+                ax.plot([r["prefix_tokens"] for r in have], [r["median_s"][key] for r in have], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("prefix tokens")
