@@ -84,8 +84,8 @@ def test_deposit_ask_eval_prereg_replay_report_audit(tmp_path: Path, key: Path, 
                             "--checkpoint", rp["checkpoint"], "--registry-key", data / "registry-key.pub.pem")
         assert code == 0, out
 
-        for rec in (ev,):
-            assert _run(capsys, "publish", *pin[:2], "--registry-key", pin[-1], rec)[0] == 0
+        code, pub, err = _run(capsys, "publish", *pin, ev)
+        assert code == 0, err
         report = tmp_path / "report"
         code, rep, err = _run(capsys, "report", "--registry", server.url, "--registry-key", data / "registry-key.pub.pem",
                               "--out", report, "--trusted-keys", trust, "--dataset", train)
