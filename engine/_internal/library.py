@@ -412,7 +412,10 @@ class Library:
             ids = self.model.tokenizer.encode(suffix, first=False)
             logits = state.extend(ids, keep_last=1)
             text, decoded = decode(self.model, state, logits, budget, stop)
-        answer = extract_answer(self.meta["kind"], head + text)
+        # A recall's output is its answer box: the prompt's opening brace and the decoded tokens,
+        # so that any answer (a number or a word) is extracted from it by the same rule.
+        text = head + text
+        answer = extract_answer(self.meta["kind"], text)
         joules, method = self._energy.stop(len(ids) + decoded)
         prompt = "".join(a.statement.predicate.source_text.text for a in artifact.chain) + suffix
         return Answer(
