@@ -97,7 +97,7 @@ def _solutions(args: argparse.Namespace, dataset: Any) -> dict[int, str]:
         if solution is not None:
             out[i] = clean_solution(solution) + f"\nThe answer is {dataset.reference(i)}."
         elif args.solutions_from_key:
-            out[i] = f"The answer key gives {dataset.reference(i)}."
+            out[i] = f"The answer key gives \\boxed{{{dataset.reference(i)}}}."
     if not out:
         raise cli.CliError(
             f"{dataset.name} holds no worked solutions",

@@ -139,7 +139,7 @@ def test_smollm2_answers_deposited_aime_problems_in_few_tokens(tmp_path: Path, p
     dataset = load_dataset(_subset(tmp_path, AIME, 4))
     lib = Library.create(tmp_path / "lib", model, profile, kind=dataset.kind, key=key)
     for i in range(4):
-        assert lib.deposit(dataset, i, f"The answer key gives {dataset.reference(i)}.", key=key) is not None
+        assert lib.deposit(dataset, i, f"The answer key gives \\boxed{{{dataset.reference(i)}}}.", key=key) is not None
     for i in range(4):
         answer = lib.ask(dataset.question(i))
         assert (answer.method, answer.answer) == ("exact", dataset.reference(i)), answer
