@@ -30,6 +30,7 @@ from ._internal.errors import (
 from ._internal.kernel_errors import KernelError, ScheduleError
 from ._internal.kvfile import deserialize, read_kv_file, serialize
 from ._internal.kvstate import KVState, Segment
+from ._internal.library import Answer, Hit, Library
 from ._internal.models import (
     MODELS,
     LoadedModel,
@@ -49,7 +50,7 @@ from ._internal.schedules import prefill, single_pass
 
 __all__ = [
     "EvaluationError", "KernelError", "LibraryError", "PROFILE_ALIASES", "ScheduleError", "prefill", "single_pass",
-    "ArtifactError", "Captured", "Continuation", "DEFAULT_PROFILE", "EngineError", "InputTextError", "KVState",
+    "Answer", "ArtifactError", "Captured", "Hit", "Library", "Continuation", "DEFAULT_PROFILE", "EngineError", "InputTextError", "KVState",
     "KV_FILE", "KvFileError", "LoadedArtifact", "LoadedModel", "MODELS", "ModelFileError", "ModelNotInstalledError",
     "ModelSpec", "PROFILES", "ProfileMismatchError", "STATEMENT_FILE", "Segment", "UnknownModelError", "applied",
     "cache_dir", "capture", "chain_key", "current_profile", "deserialize", "ensure_cached", "ensure_local_key",

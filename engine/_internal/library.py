@@ -59,6 +59,8 @@ RECALL_SUFFIX = "The final answer to the problem above is \\boxed{"
 RECALL_MAX_TOKENS = 16
 
 _WORD = re.compile(r"[a-z0-9]+")
+#: Entries scored per similarity lookup (at least; all holders of the rarest shared word).
+_CANDIDATES = 256
 _CALCULATOR = re.compile(r"<<[^<>]*>>")
 
 
@@ -157,7 +159,7 @@ class Hit:
 
 @dataclass
 class _TextIndex:
-    """TF-IDF over words with an inverted index: a query only touches entries sharing a word."""
+    """TF-IDF over words with an inverted index: a query scores only entries sharing its rarer words."""
 
     postings: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     norms: list[float] = field(default_factory=list)
@@ -192,12 +194,20 @@ class _TextIndex:
         query = {w: v for w, v in weights.items() if w in self.postings}
         if not query or qnorm == 0:
             return None
-        scores: dict[int, float] = {}
-        for w, qv in query.items():
-            for i, v in self.postings[w]:
-                scores[i] = scores.get(i, 0.0) + qv * v
-        i, s = max(scores.items(), key=lambda kv: (kv[1] / self.norms[kv[0]], -kv[0]))
-        return i, s / (self.norms[i] * qnorm)
+        # Candidates come from the rarest query words only: a word most entries hold ("the",
+        # "many") would make every lookup a scan of the whole store, and adds little to a score.
+        candidates: set[int] = set()
+        for w in sorted(query, key=lambda w: (self.df[w], w)):
+            if candidates and (len(candidates) >= _CANDIDATES or 2 * self.df[w] > len(self.counts)):
+                break
+            candidates.update(i for i, _ in self.postings[w])
+
+        def score(i: int) -> float:
+            words = self.counts[i]
+            return sum(qv * words[w] * self._idf(w) for w, qv in query.items() if w in words) / self.norms[i]
+
+        i = max(candidates, key=lambda i: (score(i), -i))
+        return i, score(i) / qnorm
 
 
 # --- answers ------------------------------------------------------------------------------------
