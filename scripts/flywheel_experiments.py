@@ -229,6 +229,9 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown part {part!r}")
         summary[part]["wall_seconds"] = round(time.perf_counter() - t0, 1)
+        # Re-read before writing: parts may run in separate processes side by side.
+        on_disk = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        summary = {**on_disk, part: summary[part]}
         summary_path.write_text(json.dumps(summary, indent=2) + "\n")
         sys.stderr.write(f"{part}: done in {summary[part]['wall_seconds']} s\n")
 
