@@ -111,7 +111,8 @@ def transfer(out: Path, work: Path, size: int, seed: int, budget: int, train_lim
     bc, gc = [i["correct"] for i in b["items"]], [i["correct"] for i in g["items"]]
     return {
         "dataset": "gsm8k_test.jsonl", "slice": {"size": size, "seed": seed}, "decode_budget": budget,
-        "library_entries_from_train": train_limit,
+        # The library may have grown past --gsm8k-train (the widening part shares it): the record says.
+        "library_entries_from_train": g["settings"]["library_entries"],
         "base": {**b["aggregates"], "ci95": wilson(sum(bc), len(bc)), "record": base.name},
         "library": {**g["aggregates"], "ci95": wilson(sum(gc), len(gc)), "record": lib.name},
         "paired": paired(bc, gc),
