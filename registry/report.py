@@ -26,6 +26,7 @@ from kvgraft.schemas import (
     PRE_REGISTRATION_PREDICATE,
     REPLAY_PREDICATE,
 )
+from kvgraft.verifier import write_atomic
 
 from .client import (
     RECORD_FILE,
@@ -61,12 +62,7 @@ def _envelope_file(directory: Path) -> Path:
 
 
 def _write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, data, 0o644)
 
 
 def log_index_of(client: RegistryClient, envelope: bytes) -> int:

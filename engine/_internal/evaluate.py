@@ -25,7 +25,6 @@ from kvgraft.schemas import (
     DatasetRef,
     DeterminismProfile,
     DocumentError,
-    EvaluationAggregates,
     EvaluationItem,
     EvaluationPredicate,
     EvaluationStatement,
@@ -37,21 +36,24 @@ from kvgraft.schemas import (
     Statement,
     Subject,
     SubjectDigest,
-    canonical_json,
     hex_of,
-    parse_json,
     parse_statement,
     sha256_bytes,
 )
 from kvgraft.verifier import (
     Dataset,
+    OutputLine,
     VerificationError,
     b64decode_any,
     envelope_json,
+    evaluation_aggregates,
     grade,
     harness_hashes,
     load_dataset,
     open_signing_key,
+    output_hash,
+    outputs_file_bytes,
+    parse_outputs,
     read_envelope,
     sign_statement,
 )
@@ -65,11 +67,6 @@ from .profiles import applied
 RECORD_FILE = "record.dsse.json"
 OUTPUTS_FILE = "outputs.jsonl"
 EXPECTED_OUTPUTS_FILE = "expected-outputs.jsonl"
-
-
-def outputs_line(doc_id: int, prompt: str, output: str) -> bytes:
-    """One line of an outputs file: canonical JSON of ``{doc_id, prompt, output}`` and ``\\n``."""
-    return canonical_json({"doc_id": doc_id, "prompt": prompt, "output": output}) + b"\n"
 
 
 def select(dataset: Dataset, limit: int | None, seed: int | None) -> list[int]:
@@ -145,7 +142,7 @@ def run_eval(
     meter.start()
     t0 = time.perf_counter()
     items: list[EvaluationItem] = []
-    lines: list[bytes] = []
+    lines: list[OutputLine] = []
     tokens_run = 0
     for n, doc_id in enumerate(doc_ids):
         question = dataset.question(doc_id)
@@ -166,17 +163,16 @@ def run_eval(
         hashes = harness_hashes(dataset.docs[doc_id], prompt, dataset.target(doc_id))
         item = EvaluationItem(
             doc_id=doc_id, doc_hash=hashes.doc_hash, prompt_hash=hashes.prompt_hash, target_hash=hashes.target_hash,
-            output_hash=hex_of(sha256_bytes(output.encode("utf-8"))), extracted_answer=graded.extracted,
+            output_hash=output_hash(output), extracted_answer=graded.extracted,
             correct=graded.correct, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, library_entry=entry,
         )
         items.append(item)
-        lines.append(outputs_line(doc_id, prompt, output))
+        lines.append(OutputLine(doc_id, prompt, output))
         if on_item is not None:
             on_item(n, len(doc_ids), item)
     seconds = time.perf_counter() - t0
     joules, energy_method = meter.stop(tokens_run)
-    outputs = b"".join(lines)
-    correct = sum(i.correct for i in items)
+    outputs = outputs_file_bytes(lines)
     settings: dict[str, str | int | float | bool | None] = {
         "mode": "library" if library is not None else "base",
         "max_new_tokens": max_new_tokens, "limit": limit, "seed": seed,
@@ -191,10 +187,7 @@ def run_eval(
         predicate=EvaluationPredicate(
             model=model.ref, profile=profile, dataset=DatasetRef(name=dataset.name, digest=dataset.digest),
             settings=settings, items=items,
-            aggregates=EvaluationAggregates(
-                items=len(items), correct=correct, accuracy=correct / len(items) if items else 0.0,
-                prompt_tokens=sum(i.prompt_tokens for i in items), decode_tokens=sum(i.decode_tokens for i in items),
-            ),
+            aggregates=evaluation_aggregates(items),
             outputs_digest=sha256_bytes(outputs),
             library_artifacts=sorted({i.library_entry for i in items if i.library_entry is not None}),
         ),
@@ -224,17 +217,12 @@ def read_record(directory: Path, kind: type[Statement]) -> tuple[bytes, Any]:
 
 
 def output_hashes(outputs: bytes, what: str) -> dict[str, str]:
-    """``str(doc_id) -> sha256 hex of the output`` for each line of an outputs file."""
-    hashes: dict[str, str] = {}
-    for n, line in enumerate(outputs.splitlines(), 1):
-        try:
-            obj = parse_json(line, what=f"{what} line {n}")
-        except DocumentError as e:
-            raise EvaluationError(str(e)) from e
-        if not isinstance(obj, dict) or not isinstance(obj.get("output"), str) or not isinstance(obj.get("doc_id"), int):
-            raise EvaluationError(f"{what} line {n} is not an outputs line", hint="see docs/records.md, 'Outputs files'")
-        hashes[str(obj["doc_id"])] = hex_of(sha256_bytes(obj["output"].encode("utf-8")))
-    return hashes
+    """``str(doc_id) -> sha256 hex of the output`` for each line of an outputs file (parsed as
+    strictly as the verifier parses it)."""
+    try:
+        return {str(line.doc_id): output_hash(line.output) for line in parse_outputs(outputs, what=what)}
+    except VerificationError as e:
+        raise EvaluationError(str(e), hint="see docs/records.md, 'Outputs files'") from e
 
 
 # --- pre-registration and replay ------------------------------------------------------------------

@@ -23,7 +23,6 @@ import json
 import math
 import os
 import re
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 
 from kvgraft.schemas import DeterminismProfile, DocumentError, Sha256Digest, canonical_json, parse_json, sha256_bytes
-from kvgraft.verifier import Dataset, TrustedKeys, extract_answer, grade
+from kvgraft.verifier import Dataset, TrustedKeys, extract_answer, grade, write_atomic
 
 from .artifacts import LoadedArtifact, load_artifact
 from .errors import LibraryError
@@ -274,19 +273,6 @@ def _parameters(model: LoadedModel) -> int:
     return sum(p.numel() for p in model.module.parameters())
 
 
-def _fsync_write(path: Path, data: bytes) -> None:
-    tmp = Path(tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")[1])
-    try:
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 class Library:
     """A library directory opened for one model and profile. Use ``Library.create`` or ``Library.open``."""
 
@@ -321,7 +307,7 @@ class Library:
             "format": FORMAT, "model": model.spec.name, "profile": profile.name, "kind": kind,
             "instruction": INSTRUCTION, "prefix_artifact": prefix.kv_digest,
         }
-        _fsync_write(directory / LIBRARY_FILE, json.dumps(meta, indent=2).encode() + b"\n")
+        write_atomic(directory / LIBRARY_FILE, json.dumps(meta, indent=2).encode() + b"\n", 0o644)
         (directory / INDEX_FILE).touch()
         return cls(directory, model, profile, meta, [], None)
 
