@@ -41,17 +41,17 @@ reliability: $(STAMP)
 	$(BIN)/python scripts/reliability.py
 
 # The benchmark suite (docs/benchmarks.md): bench/results/*.json and *.png, then the ratio table.
-# Its own set-up, never part of `make test`: nginx and curl (Debian packages) when missing,
-# matplotlib for the plots, and llama-cpp-python built from PyPI's sdist (cmake, about 10 minutes
-# on 2 cores; its multimodal library is not needed) with only the runtime deps torch's install lacks.
-LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+# Its own set-up, never part of `make test`: nginx, curl and the build tools (Debian packages) when
+# missing, matplotlib for the plots, and llama-cpp-python 0.3.36 from PyPI's sdist with only its
+# `llama` library compiled (bench/setup_llama_cpp.sh: minutes on 2 cores, then cached per machine).
 BENCH_STAMP := $(VENV)/.kvgraft-bench-installed
-$(BENCH_STAMP): $(STAMP)
+$(BENCH_STAMP): $(STAMP) bench/setup_llama_cpp.sh
 	command -v nginx >/dev/null || { apt-get update && apt-get install -y nginx; }
 	command -v curl >/dev/null || apt-get install -y curl
+	command -v cmake >/dev/null && command -v ninja >/dev/null && command -v c++ >/dev/null || \
+		apt-get install -y cmake ninja-build build-essential
 	$(BIN)/python -m pip install --quiet matplotlib==3.11.2
-	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
-		$(BIN)/python -m pip install --quiet --no-deps --no-binary llama-cpp-python $(LLAMA_CPP_PYTHON) diskcache==5.6.3
+	bash bench/setup_llama_cpp.sh $(BIN)/python
 	touch $@
 
 bench: $(BENCH_STAMP)

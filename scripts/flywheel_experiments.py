@@ -119,8 +119,12 @@ def transfer(out: Path, work: Path, size: int, seed: int, budget: int, train_lim
     }
 
 
-def widening(out: Path, work: Path, multiples: list[int], questions: int) -> dict[str, Any]:
-    """Grow one library past the window; at each size, a fresh process answers across it."""
+def widening(out: Path, work: Path, multiples: list[int], questions: int, earlier: list[dict[str, Any]]) -> dict[str, Any]:
+    """Grow one library past the window; at each size, a fresh process answers across it.
+
+    The library only grows, so a smaller multiple cannot be re-measured once passed: rows of
+    ``earlier`` runs for multiples not asked for now are kept.
+    """
     import resource
 
     train = DATA / "gsm8k_train.jsonl"
@@ -160,7 +164,8 @@ def widening(out: Path, work: Path, multiples: list[int], questions: int) -> dic
             "record": record.name, "earlier_children_max_rss_kib": before,
         })
         sys.stderr.write(f"widening {k}x: {rows[-1]}\n")
-    return {"model": MODEL, "rows": rows}
+    kept = [r for r in earlier if r["multiple"] not in multiples]
+    return {"model": MODEL, "rows": sorted(kept + rows, key=lambda r: r["multiple"])}
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -226,7 +231,8 @@ def main() -> None:
             (args.out / "README.md").write_text(table(summary))
             continue
         elif part == "widening":
-            summary[part] = widening(args.out, args.work, [int(x) for x in args.widening.split(",")], args.widening_questions)
+            earlier = summary.get("widening", {}).get("rows", [])
+            summary[part] = widening(args.out, args.work, [int(x) for x in args.widening.split(",")], args.widening_questions, earlier)
         else:
             raise SystemExit(f"unknown part {part!r}")
         summary[part]["wall_seconds"] = round(time.perf_counter() - t0, 1)

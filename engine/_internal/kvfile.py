@@ -92,11 +92,12 @@ def deserialize(data: bytes, *, source: str = "kv file") -> tuple[dict[str, torc
                 f"{source}: tensor {name} of shape {shape} and dtype {info['dtype']} needs "
                 f"{count * _BY_NAME[info['dtype']][1]} bytes, but its offsets [{start}, {end}) do not fit the {len(body)}-byte body"
             )
-        raw = bytes(body[start:end])
+        # One copy, into a buffer the tensor owns (and may write): the caller's bytes stay immutable.
+        raw = bytearray(body[start:end])
         if dtype == torch.bfloat16:
-            t = torch.frombuffer(bytearray(raw), dtype=torch.int16).view(torch.bfloat16) if raw else torch.empty(0, dtype=dtype)
+            t = torch.frombuffer(raw, dtype=torch.int16).view(torch.bfloat16) if raw else torch.empty(0, dtype=dtype)
         else:
-            t = torch.frombuffer(bytearray(raw), dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+            t = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
         tensors[name] = t.reshape(shape)
     spans.sort()
     cursor = 0

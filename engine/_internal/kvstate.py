@@ -121,8 +121,8 @@ class KVState:
             if isinstance(layer, DynamicSlidingWindowLayer):
                 keys, values = last.tensors[f"layers.{i}.keys"], last.tensors[f"layers.{i}.values"]
             else:
-                keys = torch.cat([s.tensors[f"layers.{i}.keys"] for s in chain], dim=-2)  # [1, h, end, d]
-                values = torch.cat([s.tensors[f"layers.{i}.values"] for s in chain], dim=-2)
+                keys = _joined([s.tensors[f"layers.{i}.keys"] for s in chain])  # [1, h, end, d]
+                values = _joined([s.tensors[f"layers.{i}.values"] for s in chain])
             if shift:
                 keys = rerotate(keys, *_rotation(model, i, shift))
             layer.lazy_initialization(keys, values)
@@ -131,6 +131,13 @@ class KVState:
                 layer.cumulative_length = int(last.tensors[f"layers.{i}.seen"][0])
         state.token_ids = [t for s in chain for t in s.token_ids]
         return state
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts concatenated along positions; a single part as it is (the cache never writes
+    into its tensors in place: ``update`` concatenates into new ones), so a one-artifact graft
+    does not copy its keys and values."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)  # [1, h, n_i, d] -> [1, h, sum n_i, d]
 
 
 def _check_chain(model: LoadedModel, chain: list[Segment]) -> None:

@@ -50,7 +50,7 @@ def _tokens(model: LoadedModel, text: str, *, first: bool, what: str) -> list[in
 class Continuation:
     """The logits of a continuation run on a prefix state, summarized for comparison."""
 
-    logits: torch.Tensor  # [continuation_tokens, vocab] float32
+    logits: torch.Tensor  # [continuation_tokens, vocab] float32 (the last keep_last rows when graft was given it)
     prefix_tokens: int
     continuation_ids: list[int]
     seconds: float
@@ -97,13 +97,19 @@ def capture(
         )
 
 
-def graft(model: LoadedModel, profile: DeterminismProfile, artifact: LoadedArtifact, text: str, *, shift: int = 0) -> Continuation:
-    """Restore ``artifact`` at its own positions (or ``shift`` away, approximately) and run ``text``."""
+def graft(
+    model: LoadedModel, profile: DeterminismProfile, artifact: LoadedArtifact, text: str, *, shift: int = 0, keep_last: int | None = None
+) -> Continuation:
+    """Restore ``artifact`` at its own positions (or ``shift`` away, approximately) and run ``text``.
+
+    ``keep_last``: compute the logits of only the last N positions (``keep_last=1`` is what a
+    time to first token needs); the default keeps every position's, which exactness compares.
+    """
     with applied(profile):
         t0 = time.perf_counter()
         state = KVState.restore(model, artifact.segments(), shift=shift)
         ids = _tokens(model, text, first=False, what="continuation text")
-        logits = state.extend(ids)
+        logits = state.extend(ids, keep_last=keep_last)
         return Continuation(logits, artifact.statement.predicate.positions.end, ids, time.perf_counter() - t0)
 
 

@@ -45,6 +45,20 @@ def test_graft_equals_fresh_bitwise(tiny: LoadedModel, profile: DeterminismProfi
     assert g.positions == f.positions == (len(art.statement.predicate.tokens.ids), len(art.statement.predicate.tokens.ids) + len(g.continuation_ids))
 
 
+def test_graft_keep_last_gives_only_the_last_positions(tiny: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path) -> None:
+    capture(tiny, profile, "Hello, world.", tmp_path / "a", key=key)
+    art = load_artifact(tmp_path / "a", tiny, profile)
+    full = graft(tiny, profile, art, " and then it rained for three days.")
+    last = graft(tiny, profile, art, " and then it rained for three days.", keep_last=1)
+    assert last.logits.shape == (1, full.logits.shape[1])
+    assert last.positions == full.positions
+    # Only the lm head ran on fewer rows; its M=1 product may differ in the last bits, not the token.
+    assert int(last.logits[0].argmax()) == int(full.logits[-1].argmax())
+    assert torch.allclose(last.logits[0], full.logits[-1], atol=1e-4)
+    with pytest.raises(ArtifactError, match="keep_last 99 is not within"):
+        graft(tiny, profile, art, " x", keep_last=99)
+
+
 def test_statement_fields(tiny: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path) -> None:
     captured = capture(tiny, profile, "Hello", tmp_path / "a", key=key)
     p = captured.statement.predicate

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Install llama-cpp-python (the peer the TTFT benchmark compares against) into the project's
+# venv, built from PyPI's sdist on this machine.
+#
+#     bash bench/setup_llama_cpp.sh [PYTHON]        # PYTHON defaults to .venv/bin/python
+#
+# Why not `pip install llama-cpp-python`: its build also compiles llama.cpp's `common` library
+# and the multimodal `mtmd` library (forced on by its CMakeLists), which the benchmark never
+# loads; on 2 cores that took over 40 minutes. Here only the `llama` shared library and its ggml
+# libraries are built (Release, -march=native, Ninja), the Python package is installed without
+# compiling anything (LLAMA_BUILD=OFF), and the libraries are copied where the package loads
+# them from (llama_cpp/lib). The built libraries are cached per version and CPU flags under
+# ${KVGRAFT_BENCH_CACHE:-~/.cache/kvgraft/bench}, so a second clone on the same machine reuses
+# them. Nothing here is part of `make test`.
+set -euo pipefail
+
+PY="${1:-.venv/bin/python}"
+VERSION=0.3.36
+DISKCACHE=diskcache==5.6.3
+
+if "$PY" -c "import sys, llama_cpp; sys.exit(llama_cpp.__version__ != '$VERSION')" 2>/dev/null; then
+    echo "llama-cpp-python $VERSION is already installed"
+    exit 0
+fi
+for tool in cmake ninja cc c++; do
+    command -v "$tool" >/dev/null || {
+        echo "error: $tool is needed to build llama.cpp" >&2
+        echo "hint: install it (Debian: apt-get install -y cmake ninja-build build-essential), then rerun" >&2
+        exit 1
+    }
+done
+
+cpu_key="$(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-12)"
+cache="${KVGRAFT_BENCH_CACHE:-$HOME/.cache/kvgraft/bench}/llama-cpp-python-$VERSION-$cpu_key"
+sdist="$cache/llama_cpp_python-$VERSION.tar.gz"
+
+if [ ! -f "$cache/done" ]; then
+    work="$(mktemp -d)"
+    trap 'rm -rf "$work"' EXIT
+    started=$SECONDS
+    echo "building llama.cpp's libllama from llama-cpp-python $VERSION's sdist (a few minutes on 2 cores)"
+    "$PY" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$work"
+    tar -xzf "$work/llama_cpp_python-$VERSION.tar.gz" -C "$work"
+    cmake -S "$work/llama_cpp_python-$VERSION/vendor/llama.cpp" -B "$work/build" -G Ninja \
+        -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+        -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF \
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >"$work/configure.log"
+    cmake --build "$work/build" --target llama --parallel "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" >"$work/build.log"
+    # Assembled beside the cache entry, then renamed: an interrupted build leaves no entry.
+    rm -rf "$cache.partial"
+    mkdir -p "$cache.partial/lib"
+    cp -a "$work"/build/bin/*.so* "$cache.partial/lib/"
+    cp "$work/llama_cpp_python-$VERSION.tar.gz" "$cache.partial/"
+    touch "$cache.partial/done"
+    rm -rf "$cache"
+    mv "$cache.partial" "$cache"
+    echo "built in $((SECONDS - started)) s; cached in $cache"
+fi
+
+# The Python bindings only: LLAMA_BUILD=OFF makes the sdist's build compile nothing.
+CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$PY" -m pip install --quiet --no-deps "$sdist" "$DISKCACHE"
+lib="$("$PY" -c 'import pathlib, llama_cpp; print(pathlib.Path(llama_cpp.__file__).parent / "lib")' 2>/dev/null || true)"
+if [ -z "$lib" ]; then
+    # The package imports its library at import time; find its folder without importing it.
+    lib="$("$PY" -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("llama_cpp").origin).parent / "lib")')"
+fi
+mkdir -p "$lib"
+cp -a "$cache"/lib/*.so* "$lib/"
+"$PY" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'ready:', llama_cpp.llama_print_system_info().decode()[:80])"
