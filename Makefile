@@ -54,8 +54,10 @@ $(BENCH_STAMP): $(STAMP) bench/setup_llama_cpp.sh
 	bash bench/setup_llama_cpp.sh $(BIN)/python
 	touch $@
 
+# BENCH_ARGS: options for bench/run.py, e.g. BENCH_ARGS="--threads 1" on a machine others load.
+BENCH_ARGS ?=
 bench: $(BENCH_STAMP)
-	KVGRAFT_HOME="$${KVGRAFT_HOME:-$(CURDIR)/.kvgraft-home}" $(BIN)/python bench/run.py
+	KVGRAFT_HOME="$${KVGRAFT_HOME:-$(CURDIR)/.kvgraft-home}" $(BIN)/python bench/run.py $(BENCH_ARGS)
 
 # Every benchmark with small sizes: checks that the suite runs; not the figures to quote.
 bench-quick: $(BENCH_STAMP)
