@@ -43,6 +43,7 @@ if [ ! -f "$cache/done" ]; then
     tar -xzf "$work/llama_cpp_python-$VERSION.tar.gz" -C "$work"
     cmake -S "$work/llama_cpp_python-$VERSION/vendor/llama.cpp" -B "$work/build" -G Ninja \
         -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+        -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DCMAKE_INSTALL_RPATH='$ORIGIN' \
         -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF \
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >"$work/configure.log"
     cmake --build "$work/build" --target llama --parallel "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" >"$work/build.log"
@@ -51,6 +52,8 @@ if [ ! -f "$cache/done" ]; then
     mkdir -p "$cache.partial/lib"
     cp -a "$work"/build/bin/*.so* "$cache.partial/lib/"
     cp "$work/llama_cpp_python-$VERSION.tar.gz" "$cache.partial/"
+    # The libraries must load from wherever they are copied (the build folder is about to go).
+    "$PY" -c "import ctypes, sys; ctypes.CDLL(sys.argv[1])" "$cache.partial/lib/libllama.so"
     touch "$cache.partial/done"
     rm -rf "$cache"
     mv "$cache.partial" "$cache"
