@@ -144,7 +144,8 @@ def widening(out: Path, work: Path, multiples: list[int], questions: int, earlie
         entries = [json.loads(line) for line in (library / "index.jsonl").read_text().splitlines()]
         # Questions spread evenly over the whole store: its first, last and every entry between.
         picks = [entries[round(i * (len(entries) - 1) / (questions - 1))]["doc_index"] for i in range(questions)]
-        qfile = work / f"widening-{k}x.jsonl"
+        # Beside the record: the dataset file kvgraft-verify eval re-grades it against.
+        qfile = out / f"widening-{k}x.jsonl"
         qfile.write_text("".join(docs[i] + "\n" for i in picks))
         record = out / f"widening-{k}x"
         if record.exists():
