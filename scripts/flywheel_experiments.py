@@ -178,7 +178,7 @@ def table(summary: dict[str, Any]) -> str:
                 "| run | solved | prompt tokens | decode tokens | seconds | energy (J) | record |", "|---|---|---|---|---|---|---|"]
         for label, key in ((f"base, {r['decode_budget_base']}-token budget", "base"), ("from the library (recall)", "library")):
             a = r[key]
-            out.append(f"| {label} | {a['correct']}/{a['items']} | {a['prompt_tokens']} | {a['decode_tokens']} | {a['seconds']} | "
+            out.append(f"| {label} | {a['correct']}/{a['items']} | {a['prompt_tokens']:,} | {a['decode_tokens']:,} | {a['seconds']:.0f} | "
                        f"{a['energy_joules']} ({a['energy_method']}) | `results/flywheel/{a['record']}` |")
         out += ["", f"Decode tokens, base / library: {r['decode_token_ratio']:.1f}x.", ""]
     if "transfer" in summary:
@@ -196,10 +196,11 @@ def table(summary: dict[str, Any]) -> str:
     if "widening" in summary:
         w = summary["widening"]
         out += ["### Context widening: one library grown past the 8,192-token window", "",
-                "| store | entries | stored tokens | questions answered correctly | decode tokens | peak RSS (MiB) | record |",
+                "| store / window | entries | stored tokens | questions answered correctly | decode tokens | peak RSS (MiB) | record |",
                 "|---|---|---|---|---|---|---|"]
         for row in w["rows"]:
-            out.append(f"| {row['multiple']}x window | {row['entries']} | {row['stored_tokens']} | {row['correct']}/{row['questions']} | "
+            out.append(f"| {row['stored_tokens'] / row['window']:.1f}x (target {row['multiple']}x) | {row['entries']} | {row['stored_tokens']:,} | "
+                       f"{row['correct']}/{row['questions']} | "
                        f"{row['decode_tokens']} | {row['peak_rss_mib']} | `results/flywheel/{row['record']}` |")
         out.append("")
     return "\n".join(out)
