@@ -117,39 +117,25 @@ class BlobStore:
                 fd, name = await anyio.to_thread.run_sync(lambda: tempfile.mkstemp(dir=self._tmp, prefix=hex_digest[:16] + "."))
                 tmp = Path(name)
                 f = os.fdopen(fd, "wb")
-            size = 0
-            # Receiving and storing overlap: the request's chunks (immutable bytes, gathered by
-            # reference) go in batches through a bounded queue to a task that hashes and writes
-            # them in a worker thread, while this task keeps reading the socket. Done one after
-            # the other, the server read nothing while a batch was stored (py-spy: both threads
-            # idle about half the time, bench/registry_throughput.py). At most PIPELINE batches
-            # wait: memory stays flat in the blob's size.
+            # Receiving and storing overlap: batches of the request's chunks go through a bounded
+            # queue to a task that hashes and writes them in a worker thread, while this task
+            # keeps reading the socket. Done one after the other, the server read nothing while a
+            # batch was stored (py-spy: both threads idle about half the time,
+            # bench/registry_throughput.py). At most PIPELINE batches wait: memory stays flat.
             send, batches = anyio.create_memory_object_stream[list[bytes]](max_buffer_size=PIPELINE)
+            size = 0
 
             async def store() -> None:
+                nonlocal size
                 async with batches:
                     async for batch in batches:
-                        await anyio.to_thread.run_sync(_consume, h, f, batch)
+                        size += await anyio.to_thread.run_sync(_consume, h, f, batch)
 
             try:
-                async with anyio.create_task_group() as tg:
+                async with anyio.create_task_group() as tg, send:
                     tg.start_soon(store)
-                    async with send:
-                        pending: list[bytes] = []
-                        pending_size = 0
-                        async for chunk in chunks:
-                            size += len(chunk)
-                            if size > max_bytes:
-                                raise PayloadTooLargeError(
-                                    f"the blob is larger than this registry's limit of {max_bytes} bytes", extra={"limit": max_bytes}
-                                )
-                            pending.append(chunk)
-                            pending_size += len(chunk)
-                            if pending_size >= WRITE_CHUNK:
-                                await send.send(pending)
-                                pending, pending_size = [], 0
-                        if pending:
-                            await send.send(pending)
+                    async for batch in _batched(chunks, max_bytes):
+                        await send.send(batch)
             except BaseExceptionGroup as group:
                 # The task group wraps what went wrong (a limit, a client gone, a disk error):
                 # the caller gets that exception itself, as before the pipeline.
@@ -218,11 +204,32 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
     return next((e for e in leaves if not isinstance(e, cancelled)), leaves[0])
 
 
-def _consume(h: hashlib._Hash, f: BinaryIO | None, chunks: list[bytes]) -> None:
+async def _batched(chunks: AsyncIterable[bytes], max_bytes: int) -> AsyncIterator[list[bytes]]:
+    """The request's chunks in lists of about WRITE_CHUNK bytes, gathered by reference (no copy
+    into a growing buffer); ``PayloadTooLargeError`` as soon as more than ``max_bytes`` arrived."""
+    size = 0
+    pending: list[bytes] = []
+    pending_size = 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > max_bytes:
+            raise PayloadTooLargeError(f"the blob is larger than this registry's limit of {max_bytes} bytes", extra={"limit": max_bytes})
+        pending.append(chunk)
+        pending_size += len(chunk)
+        if pending_size >= WRITE_CHUNK:
+            yield pending
+            pending, pending_size = [], 0
+    if pending:
+        yield pending
+
+
+def _consume(h: hashlib._Hash, f: BinaryIO | None, chunks: list[bytes]) -> int:
+    """Hash ``chunks`` and write them to ``f`` (when the blob is new); the bytes consumed."""
     for chunk in chunks:
         h.update(chunk)
     if f is not None:
         f.writelines(chunks)
+    return sum(len(c) for c in chunks)
 
 
 def _unlink_quietly(path: Path) -> None:
