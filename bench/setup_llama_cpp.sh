@@ -62,11 +62,8 @@ fi
 
 # The Python bindings only: LLAMA_BUILD=OFF makes the sdist's build compile nothing.
 CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$PY" -m pip install --quiet --no-deps "$sdist" "$DISKCACHE"
-lib="$("$PY" -c 'import pathlib, llama_cpp; print(pathlib.Path(llama_cpp.__file__).parent / "lib")' 2>/dev/null || true)"
-if [ -z "$lib" ]; then
-    # The package imports its library at import time; find its folder without importing it.
-    lib="$("$PY" -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("llama_cpp").origin).parent / "lib")')"
-fi
+# Found without importing it: the package loads its library at import time, and there is none yet.
+lib="$("$PY" -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("llama_cpp").origin).parent / "lib")')"
 mkdir -p "$lib"
 cp -a "$cache"/lib/*.so* "$lib/"
 "$PY" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'ready:', llama_cpp.llama_print_system_info().decode()[:80])"

@@ -160,7 +160,8 @@ class Hit:
 class _TextIndex:
     """TF-IDF over words with an inverted index: a query scores only entries sharing its rarer words."""
 
-    postings: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    #: word -> the entries holding it (their weights come from ``counts`` when scored).
+    postings: dict[str, list[int]] = field(default_factory=dict)
     norms: list[float] = field(default_factory=list)
     df: Counter[str] = field(default_factory=Counter)
     counts: list[Counter[str]] = field(default_factory=list)
@@ -180,8 +181,8 @@ class _TextIndex:
         for i, words in enumerate(self.counts):
             weights = {w: c * self._idf(w) for w, c in words.items()}
             self.norms.append(math.sqrt(sum(v * v for v in weights.values())) or 1.0)
-            for w, v in weights.items():
-                self.postings.setdefault(w, []).append((i, v))
+            for w in weights:
+                self.postings.setdefault(w, []).append(i)
         self.dirty = False
 
     def best(self, text: str) -> tuple[int, float] | None:
@@ -199,7 +200,7 @@ class _TextIndex:
         for w in sorted(query, key=lambda w: (self.df[w], w)):
             if candidates and (len(candidates) >= _CANDIDATES or 2 * self.df[w] > len(self.counts)):
                 break
-            candidates.update(i for i, _ in self.postings[w])
+            candidates.update(self.postings[w])
 
         def score(i: int) -> float:
             words = self.counts[i]
