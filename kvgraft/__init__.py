@@ -1,6 +1,6 @@
 """kvgraft: byte-exact, signed KV-cache artifacts for frozen small language models.
 
-The distribution holds these packages (see DESIGN.md):
+The distribution holds these packages (see docs/architecture.md):
 
 - ``kvgraft.schemas``: data contracts, canonical JSON, digest types, JSON Schema files;
 - ``kvgraft.verifier``: the offline verifier (signatures, digests, records), no torch;

@@ -1,4 +1,4 @@
-"""Shared fixtures: where ../shared lives, and small helpers every package's tests use."""
+"""Shared fixtures: where the test vectors live, and small helpers every package's tests use."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+#: The DSSE and Sigstore vectors, copied into the repository (tests/vectors/README.md: sources, licences).
+VECTORS = REPO / "tests" / "vectors"
 
 
 @pytest.fixture(scope="session")
-def shared() -> Path:
-    """The ``shared/`` folder beside the repository (vectors and data, for tests only)."""
-    if not (SHARED / "vectors").is_dir():
-        raise RuntimeError(f"{SHARED} is missing: tests read vectors from ../shared beside the repository")
-    return SHARED
+def vectors() -> Path:
+    """``tests/vectors/``: ``dsse/`` and ``sigstore/`` (for tests only)."""
+    if not (VECTORS / "dsse" / "vectors.json").is_file():
+        raise RuntimeError(f"{VECTORS} is incomplete: the test vectors are part of the repository")
+    return VECTORS

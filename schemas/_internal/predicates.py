@@ -71,7 +71,7 @@ class SourceText(Contract):
 
 
 class KvArtifactPredicate(Contract):
-    """What a signed KV artifact claims about its tensors file (DESIGN.md, "KV artifact")."""
+    """What a signed KV artifact claims about its tensors file (docs/artifacts.md)."""
 
     model: ModelRef
     tokenizer_digest: DigestField

@@ -1,4 +1,4 @@
-"""Records: exactness, evaluation, pre-registration and replay (DESIGN.md, "Records").
+"""Records: exactness, evaluation, pre-registration and replay (docs/architecture.md, docs/records.md).
 
 Each is an in-toto statement signed like an artifact; every figure it reports is backed by
 digests of its inputs and outputs so that the verifier can recompute it offline.

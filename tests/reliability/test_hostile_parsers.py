@@ -42,7 +42,7 @@ from tests.registry.conftest import Key, artifact
 from tests.reliability.conftest import Figures, Scale
 from tests.reliability.hostile import JSON_VALUES, mutated_b64_field, mutated_json
 
-VECTORS = Path(__file__).resolve().parents[3] / "shared" / "vectors"
+VECTORS = Path(__file__).resolve().parents[1] / "vectors"
 
 # Each property reads the scale from the fixture; hypothesis' own example budget is set per test.
 _RELAXED = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]

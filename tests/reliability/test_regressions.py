@@ -110,7 +110,7 @@ def _bundle_with_altered_certificate(tmp_path: Path, alter: Callable[[bytes, byt
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
 
-    vectors = Path(__file__).resolve().parents[3] / "shared" / "vectors" / "sigstore"
+    vectors = Path(__file__).resolve().parents[1] / "vectors" / "sigstore"
     doc = json.loads((vectors / "bundle.txt.sigstore").read_text())
     cert = doc["verificationMaterial"]["x509CertificateChain"]["certificates"][0]
     der = base64.b64decode(cert["rawBytes"])
@@ -138,7 +138,7 @@ def test_sigstore_certificate_with_altered_key_raised_unsupported_algorithm_or_v
 ) -> None:
     from kvgraft.verifier._internal.bundles import CertificateIdentity, verify_bundle
 
-    vectors = Path(__file__).resolve().parents[3] / "shared" / "vectors" / "sigstore"
+    vectors = Path(__file__).resolve().parents[1] / "vectors" / "sigstore"
     bundle = _bundle_with_altered_certificate(tmp_path, alter)
     assert bundle.read_bytes() != (vectors / "bundle.txt.sigstore").read_bytes()
     with pytest.raises(MalformedInputError, match="the signing certificate's public key cannot be read"):
@@ -157,7 +157,7 @@ def test_sigstore_certificate_with_unparsable_extensions_raised_value_error(tmp_
     from kvgraft.verifier import IdentityMismatchError
     from kvgraft.verifier._internal.bundles import CertificateIdentity, verify_bundle
 
-    vectors = Path(__file__).resolve().parents[3] / "shared" / "vectors" / "sigstore"
+    vectors = Path(__file__).resolve().parents[1] / "vectors" / "sigstore"
     doc = json.loads((vectors / "staging-rekor-v2.txt.sigstore.json").read_text())
     cert = doc["verificationMaterial"]["certificate"]
     der = base64.b64decode(cert["rawBytes"])
@@ -182,7 +182,7 @@ def test_sigstore_certificate_with_unknown_version_raised_invalid_version(tmp_pa
 
     from kvgraft.verifier._internal.bundles import CertificateIdentity, verify_bundle
 
-    vectors = Path(__file__).resolve().parents[3] / "shared" / "vectors" / "sigstore"
+    vectors = Path(__file__).resolve().parents[1] / "vectors" / "sigstore"
     doc = json.loads((vectors / "bundle.txt.sigstore").read_text())
     cert = doc["verificationMaterial"]["x509CertificateChain"]["certificates"][0]
     der = base64.b64decode(cert["rawBytes"])

@@ -1,4 +1,4 @@
-"""Sigstore bundle verification, offline: the shared vectors, their mutations, and managed-key
+"""Sigstore bundle verification, offline: the Sigstore vectors, their mutations, and managed-key
 bundles built here with freshly generated keys and a one-off transparency log."""
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from kvgraft.verifier._internal.errors import (
 
 
 def sigstore_vectors() -> Path:
-    """shared/vectors/sigstore, beside the repository (../shared from the repo root)."""
-    return Path(__file__).resolve().parents[3] / "shared" / "vectors" / "sigstore"
+    """tests/vectors/sigstore, in the repository (tests/vectors/README.md: source and licence)."""
+    return Path(__file__).resolve().parents[1] / "vectors" / "sigstore"
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def vectors() -> Path:
     path = sigstore_vectors()
     if not path.is_dir():
         # A missing fixture is a broken checkout, not a reason to pass quietly.
-        raise RuntimeError(f"the shared Sigstore vectors are not at {path}: tests read ../shared beside the repository")
+        raise RuntimeError(f"the Sigstore vectors are not at {path}: they are part of the repository")
     return path
 
 
@@ -78,7 +78,7 @@ class Vector:
         return self.bundle
 
 
-# Every "accept" row of shared/vectors/sigstore/EXPECTATIONS.md.
+# Every "accept" row of tests/vectors/sigstore/EXPECTATIONS.md.
 ACCEPT = [
     Vector("bundle.txt", "bundle.txt.sigstore", True, "a@tny.town", GITHUB_OAUTH),
     Vector("bundle_v3.txt", "bundle_v3.txt.sigstore", True, "william@yossarian.net", GITHUB_OAUTH),
@@ -127,7 +127,7 @@ def flip_b64(value: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# The shared vectors: every EXPECTATIONS.md row, and every mutation of every accepting row
+# The Sigstore vectors: every EXPECTATIONS.md row, and every mutation of every accepting row
 # --------------------------------------------------------------------------------------------
 
 

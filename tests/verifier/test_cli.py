@@ -36,9 +36,9 @@ def _one_line_failure(code: int, err: str, error: str, message: str) -> None:
 
 @pytest.mark.parametrize("vector_id", VECTOR_IDS)
 def test_dsse_vectors_through_the_command_line(
-    shared: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], vector_id: str
+    vectors: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], vector_id: str
 ) -> None:
-    doc = json.loads((shared / "vectors" / "dsse" / "vectors.json").read_text())
+    doc = json.loads((vectors / "dsse" / "vectors.json").read_text())
     vector = next(v for v in doc["vectors"] if v["id"] == vector_id)
     keys = {n: Ed25519PrivateKey.from_private_bytes(bytes.fromhex(k["seed"])) for n, k in doc["keys"].items()}
     trust = TrustedKeys(
@@ -142,9 +142,9 @@ def test_malformed_input_is_one_line_exit_1(
     _one_line_failure(code, err, error, message)
 
 
-def test_invalid_statement_inside_a_good_signature(tmp_path: Path, capsys: pytest.CaptureFixture[str], shared: Path) -> None:
+def test_invalid_statement_inside_a_good_signature(tmp_path: Path, capsys: pytest.CaptureFixture[str], vectors: Path) -> None:
     # The DSSE vector's payload is signed but is not a complete in-toto statement.
-    doc = json.loads((shared / "vectors" / "dsse" / "vectors.json").read_text())
+    doc = json.loads((vectors / "dsse" / "vectors.json").read_text())
     vector = doc["vectors"][0]
     key = Ed25519PrivateKey.from_private_bytes(bytes.fromhex(doc["keys"]["A"]["seed"]))
     (tmp_path / "keys.json").write_text(json.dumps(TrustedKeys((trusted_key("A", key.public_key()),)).to_json()))

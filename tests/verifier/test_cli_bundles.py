@@ -10,7 +10,7 @@ import pytest
 
 from kvgraft.verifier.cli import main
 
-from .test_bundles import ACCEPT, Vector
+from .test_bundles import ACCEPT, Vector, sigstore_vectors
 
 REJECT_AT_LOAD = [
     "bundle_v3_no_signed_time.txt",
@@ -21,8 +21,10 @@ REJECT_AT_LOAD = [
 ]
 
 
-def _vectors(shared: Path) -> Path:
-    return shared / "vectors" / "sigstore"
+@pytest.fixture(scope="module")
+def vectors() -> Path:
+    """tests/vectors/sigstore, as in test_bundles.py."""
+    return sigstore_vectors()
 
 
 def _argv(vectors: Path, v: Vector, artifact: str | None = None, *, identity: str | None = None, root: str | None = None) -> list[str]:
@@ -44,14 +46,13 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], error: str) ->
 
 
 @pytest.mark.parametrize("v", ACCEPT, ids=lambda v: v.bundle)
-def test_accepting_rows(shared: Path, capsys: pytest.CaptureFixture[str], v: Vector) -> None:
-    assert main(_argv(_vectors(shared), v)) == 0, capsys.readouterr().err
+def test_accepting_rows(vectors: Path, capsys: pytest.CaptureFixture[str], v: Vector) -> None:
+    assert main(_argv(vectors, v)) == 0, capsys.readouterr().err
     assert capsys.readouterr().out.startswith("OK: ")
 
 
 @pytest.mark.parametrize("v", ACCEPT, ids=lambda v: v.bundle)
-def test_mutations_through_the_command_line(shared: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], v: Vector) -> None:
-    vectors = _vectors(shared)
+def test_mutations_through_the_command_line(vectors: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], v: Vector) -> None:
     if not v.artifact.startswith("sha256:"):
         changed = tmp_path / "artifact"
         data = bytearray((vectors / v.artifact).read_bytes())
@@ -65,22 +66,19 @@ def test_mutations_through_the_command_line(shared: Path, tmp_path: Path, capsys
     _refused(capsys, _argv(vectors, v, root=str(vectors / other)), "UntrustedRootError")
 
 
-def test_cve_2022_36056_is_refused(shared: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    vectors = _vectors(shared)
+def test_cve_2022_36056_is_refused(vectors: Path, capsys: pytest.CaptureFixture[str]) -> None:
     v = Vector("bundle_cve_2022_36056.txt", "bundle_cve_2022_36056.txt.sigstore", True, "william@yossarian.net", "https://github.com/login/oauth")
     _refused(capsys, _argv(vectors, v), "LogEntryError")
 
 
 @pytest.mark.parametrize("artifact", REJECT_AT_LOAD)
-def test_reject_at_load(shared: Path, capsys: pytest.CaptureFixture[str], artifact: str) -> None:
-    vectors = _vectors(shared)
+def test_reject_at_load(vectors: Path, capsys: pytest.CaptureFixture[str], artifact: str) -> None:
     bundle = next(p.name for p in vectors.iterdir() if p.name.startswith(artifact + ".sigstore"))
     v = Vector(artifact, bundle, True, "a@tny.town", "https://github.com/login/oauth")
     _refused(capsys, _argv(vectors, v), "MalformedInputError")
 
 
-def test_digest_argument_and_a_file_named_like_a_digest(shared: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    vectors = _vectors(shared)
+def test_digest_argument_and_a_file_named_like_a_digest(vectors: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     v = ACCEPT[0]
     import hashlib
 
@@ -93,8 +91,7 @@ def test_digest_argument_and_a_file_named_like_a_digest(shared: Path, tmp_path: 
     assert main(_argv(vectors, v, "sha256:not-a-digest")) == 0
 
 
-def test_key_and_identity_together_are_refused(shared: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    vectors = _vectors(shared)
+def test_key_and_identity_together_are_refused(vectors: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     v = ACCEPT[0]
     (tmp_path / "k.pem").write_text("-----BEGIN PUBLIC KEY-----\n-----END PUBLIC KEY-----\n")
     argv = _argv(vectors, v)
@@ -102,8 +99,7 @@ def test_key_and_identity_together_are_refused(shared: Path, tmp_path: Path, cap
 
 
 @pytest.mark.parametrize("damage", ["not json", "", "{\"mediaType\": 3}"])
-def test_malformed_bundles(shared: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str) -> None:
-    vectors = _vectors(shared)
+def test_malformed_bundles(vectors: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str) -> None:
     (tmp_path / "b.json").write_text(damage)
     v = ACCEPT[0]
     argv = _argv(vectors, v)

@@ -1,4 +1,4 @@
-"""DSSE: the shared protocol vectors, signing round trips, thresholds and malformed envelopes."""
+"""DSSE: the DSSE protocol vectors (tests/vectors/dsse), signing round trips, thresholds and malformed envelopes."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from kvgraft.verifier import (
 )
 
 
-def _vectors(shared: Path) -> dict[str, Any]:
-    return json.loads((shared / "vectors" / "dsse" / "vectors.json").read_text())
+def _vectors(vectors: Path) -> dict[str, Any]:
+    return json.loads((vectors / "dsse" / "vectors.json").read_text())
 
 
 def _keys(doc: dict[str, Any]) -> dict[str, Ed25519PrivateKey]:
@@ -51,13 +51,13 @@ VECTOR_IDS = [
 ]
 
 
-def test_all_nine_vectors_are_known(shared: Path) -> None:
-    assert [v["id"] for v in _vectors(shared)["vectors"]] == VECTOR_IDS
+def test_all_nine_vectors_are_known(vectors: Path) -> None:
+    assert [v["id"] for v in _vectors(vectors)["vectors"]] == VECTOR_IDS
 
 
 @pytest.mark.parametrize("vector_id", VECTOR_IDS)
-def test_vector(shared: Path, vector_id: str) -> None:
-    doc = _vectors(shared)
+def test_vector(vectors: Path, vector_id: str) -> None:
+    doc = _vectors(vectors)
     vector = next(v for v in doc["vectors"] if v["id"] == vector_id)
     keys = _keys(doc)
     # The public keys in the file are the seeds' keys: a check on the fixture itself.
@@ -84,8 +84,8 @@ def test_vector(shared: Path, vector_id: str) -> None:
         assert type(info.value) is expected
 
 
-def test_swapped_type_fails_because_pae_differs(shared: Path) -> None:
-    doc = _vectors(shared)
+def test_swapped_type_fails_because_pae_differs(vectors: Path) -> None:
+    doc = _vectors(vectors)
     vector = next(v for v in doc["vectors"] if v["id"] == "payload-type-swapped")
     env = parse_envelope(json.dumps(vector["envelope"]).encode())
     with pytest.raises(UnknownKeyError, match="none of the envelope's 1 signature"):

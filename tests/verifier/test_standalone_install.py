@@ -1,5 +1,5 @@
 """The verifier installs and runs alone: a fresh venv with the base install holds no torch,
-transformers, litestar or duckdb, and ``kvgraft-verify`` works there on the shared vectors."""
+transformers, litestar or duckdb, and ``kvgraft-verify`` works there on the DSSE and Sigstore vectors."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def test_no_heavy_packages_and_import_torch_fails(verifier_env: Path, tmp_path: 
 
 
 @pytest.mark.slow
-def test_kvgraft_verify_runs_the_dsse_vectors_there(verifier_env: Path, tmp_path: Path, shared: Path) -> None:
-    doc = json.loads((shared / "vectors" / "dsse" / "vectors.json").read_text())
+def test_kvgraft_verify_runs_the_dsse_vectors_there(verifier_env: Path, tmp_path: Path, vectors: Path) -> None:
+    doc = json.loads((vectors / "dsse" / "vectors.json").read_text())
     keys = {n: Ed25519PrivateKey.from_private_bytes(bytes.fromhex(k["seed"])) for n, k in doc["keys"].items()}
     results = {}
     for vector in doc["vectors"]:
@@ -76,8 +76,8 @@ def test_kvgraft_verify_runs_the_dsse_vectors_there(verifier_env: Path, tmp_path
 
 
 @pytest.mark.slow
-def test_kvgraft_verify_checks_a_sigstore_bundle_there(verifier_env: Path, tmp_path: Path, shared: Path) -> None:
-    vectors = shared / "vectors" / "sigstore"
+def test_kvgraft_verify_checks_a_sigstore_bundle_there(verifier_env: Path, tmp_path: Path, vectors: Path) -> None:
+    vectors = vectors / "sigstore"
     base = [str(verifier_env / "kvgraft-verify"), "verify-bundle", "--bundle", str(vectors / "bundle_v3_github.whl.sigstore"),
             "--certificate-identity", "https://github.com/trailofbits/rfc8785.py/.github/workflows/release.yml@refs/tags/v0.1.2",
             "--certificate-oidc-issuer", "https://token.actions.githubusercontent.com"]

@@ -32,7 +32,7 @@ CHROMIUM_ARGS = [
     "--disable-component-update", "--disable-sync",
 ]
 
-# Missing Chromium fails these tests (CI installs it); a silent skip would pass a UI nobody opened.
+# Missing Chromium fails these tests (`make test` installs it); a silent skip would pass a UI nobody opened.
 # KVGRAFT_SKIP_BROWSER=1 skips them deliberately on a machine without it.
 pytestmark = pytest.mark.skipif(os.environ.get("KVGRAFT_SKIP_BROWSER") == "1", reason="KVGRAFT_SKIP_BROWSER=1")
 
@@ -72,7 +72,7 @@ def chromium(live: tuple[Server, World]) -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
     if not CHROMIUM.exists():
-        pytest.fail(f"the browser tests need Debian's Chromium at {CHROMIUM}: apt-get install -y chromium (.ci/run does)")
+        pytest.fail(f"the browser tests need Debian's Chromium at {CHROMIUM}: apt-get install -y chromium (make test does)")
     if SCREENSHOTS.exists():
         shutil.rmtree(SCREENSHOTS)
     SCREENSHOTS.mkdir(parents=True)
