@@ -1,7 +1,7 @@
 """Restore vs the I/O floor (issue 8, item 2), ``smollm2-135m``.
 
-The graft's restore (``load_artifact``: statement read, tensors file read and sha256-checked,
-model/tokenizer/profile checked, tensors parsed; then ``KVState.restore`` building the cache)
+The graft's restore (``load_artifact``: statement read and its signature verified, tensors file
+read and sha256-checked, model/tokenizer/profile checked, tensors parsed and checked finite; then ``KVState.restore`` building the cache)
 against what merely reading and hashing the same bytes costs: ``cat kv.safetensors > /dev/null``
 and ``sha256sum kv.safetensors``, with the page cache warm and cold.
 
@@ -35,6 +35,7 @@ from kvgraft.engine import (
     ensure_local_key,
     load_artifact,
     load_model,
+    trust_signer,
 )
 
 MODEL = "smollm2-135m"
@@ -77,6 +78,7 @@ def main() -> None:
     if args.threads != profile.threads:
         profile = profile.model_copy(update={"threads": args.threads})
     key, _ = ensure_local_key()
+    trusted = trust_signer(key)  # the restore verifies the signature, as every graft does
     ids = model.tokenizer.encode(corpus_text(max(args.tokens) * 6), first=True)
     rows: list[dict[str, Any]] = []
     confirmed: list[bool | None] = []
@@ -89,7 +91,7 @@ def main() -> None:
 
             def restore(directory: Path = out) -> None:
                 with applied(profile):
-                    art = load_artifact(directory, model, profile)
+                    art = load_artifact(directory, model, profile, trusted=trusted)
                     KVState.restore(model, art.segments())
 
             measures = {

@@ -75,7 +75,10 @@ def measure(library_dir: Path, model_name: str, lookups: int, threads: int) -> d
     profile = _profile(threads)
     base_rss = peak_rss_mib()
     t0 = time.perf_counter()
-    lib = library_cls.open(library_dir, model, profile)
+    from kvgraft.engine import ensure_local_key, trust_signer
+
+    trusted = trust_signer(ensure_local_key()[0])  # the key build() deposits with
+    lib = library_cls.open(library_dir, model, profile, trusted=trusted)
     open_s = time.perf_counter() - t0
     rng = random.Random(0)
     known = [e.problem for e in rng.sample(lib.entries, min(lookups, len(lib.entries)))]

@@ -43,6 +43,7 @@ from kvgraft.engine import (
     load_model,
     locate_gguf,
     spec_for,
+    trust_signer,
 )
 
 MODEL = "smollm2-135m"
@@ -65,7 +66,7 @@ def build_chain(model: Any, profile: Any, ends: list[int], work: Path) -> dict[i
         t0 = time.perf_counter()
         out = work / f"prefix-{end}"
         captured = capture(model, profile, text, out, key=key, parent=parent)
-        parent = load_artifact(out, model, profile)
+        parent = load_artifact(out, model, profile, trusted=trust_signer(key))
         real_end = captured.statement.predicate.positions.end
         say(f"captured [{captured.statement.predicate.positions.start}, {real_end}) in {time.perf_counter() - t0:.1f} s")
         dirs[end] = out
@@ -151,8 +152,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvgraft-bench-ttft-") as tmp:
         work = Path(tmp)
         dirs = build_chain(model, profile, args.lengths, work)
+        # The normal graft path verifies the chain's signatures: here against the key that made it.
+        trusted = trust_signer(ensure_local_key()[0])
         for length in args.lengths:
-            art = load_artifact(dirs[length], model, profile)
+            art = load_artifact(dirs[length], model, profile, trusted=trusted)
             prefix = chain_ids(art)
             full = prefix + q_ids
             kv_bytes = sum((a.directory / KV_FILE).stat().st_size for a in art.chain)
@@ -176,7 +179,7 @@ def main() -> None:
                     runs["recompute"].append(time.perf_counter() - t0)
                 # graft from the local store, digests checked
                 t0 = time.perf_counter()
-                art = load_artifact(dirs[length], model, profile)
+                art = load_artifact(dirs[length], model, profile, trusted=trusted)
                 # Only the last position's logits: the first token needs no more (recompute below
                 # keeps one too, llama.cpp computes one by default).
                 cont = graft(model, profile, art, QUESTION, keep_last=1)

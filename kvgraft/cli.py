@@ -18,7 +18,7 @@ from kvgraft.flywheel_cli import add_flywheel_commands
 from kvgraft.registry.cli import add_registry_commands
 from kvgraft.registry.client_cli import add_client_commands
 from kvgraft.schemas import (
-    SchemaError,
+    KvgraftError,
     Statement,
     Subject,
     SubjectDigest,
@@ -30,7 +30,6 @@ from kvgraft.schemas import (
 )
 from kvgraft.verifier import (
     TrustedKeys,
-    VerificationError,
     envelope_json,
     generate_private_key,
     keyid_of,
@@ -45,11 +44,11 @@ from kvgraft.verifier import (
 )
 
 
-class CliError(Exception):
-    """A user-facing failure of a ``kvgraft`` command: one line, with a hint."""
+class CliError(KvgraftError):
+    """A user-facing failure of a ``kvgraft`` command (bad options, local files): one line, with a hint."""
 
     def __init__(self, message: str, *, hint: str) -> None:
-        super().__init__(f"{message} (hint: {hint})")
+        super().__init__(message, hint=hint)
 
 
 def _passphrase(env_var: str | None) -> bytes | None:
@@ -125,8 +124,33 @@ def _engine() -> Any:
     return engine
 
 
-def _trusted(args: argparse.Namespace) -> TrustedKeys | None:
-    return load_trusted_keys(args.trusted_keys) if getattr(args, "trusted_keys", None) else None
+def add_trust_options(p: argparse.ArgumentParser) -> None:
+    """The options that say which keys an artifact must be signed by before it is loaded."""
+    p.add_argument("--trusted-keys", type=Path, metavar="FILE",
+                   help="verify artifact signatures against these keys (default: $KVGRAFT_TRUSTED_KEYS, "
+                   "else $KVGRAFT_HOME/trusted-keys.json when it exists)")
+    p.add_argument("--trust-local-key", action="store_true",
+                   help="also trust this machine's local key ($KVGRAFT_HOME/keys/local.pem.pub)")
+    p.add_argument("--insecure-skip-verify", action="store_true",
+                   help="do NOT check signatures (prints a warning; never for artifacts from elsewhere)")
+
+
+def _trust(args: argparse.Namespace) -> Any:
+    """The engine's ``Trust`` for this command's options: keys to verify against, or a loud skip.
+
+    Refuses (one line) when no keys are given or configured and the user did not opt out.
+    """
+    engine = _engine()
+    trust = engine.resolve_trust(getattr(args, "trusted_keys", None), trust_local_key=getattr(args, "trust_local_key", False),
+                                 insecure_skip_verify=getattr(args, "insecure_skip_verify", False))
+    if trust.skip:
+        sys.stderr.write(f"kvgraft: {engine.SKIP_WARNING}\n")
+        sys.stderr.flush()
+    return trust
+
+
+def _load(engine: Any, directory: Path, model: Any, profile: Any, trust: Any) -> Any:
+    return engine.load_artifact(directory, model, profile, trusted=trust.keys, insecure_skip_verify=trust.skip)
 
 
 def _cmd_models_list(args: argparse.Namespace) -> dict[str, Any]:
@@ -150,8 +174,10 @@ def _model_and_profile(engine: Any, name: str, profile: str) -> tuple[Any, Any]:
 def _cmd_capture(args: argparse.Namespace) -> dict[str, Any]:
     engine = _engine()
     text = engine.read_text(args.text_file)
+    # Only a parent is loaded: it is verified like any grafted artifact.
+    trust = _trust(args) if args.parent else None
     model, profile = _model_and_profile(engine, args.model, args.profile)
-    parent = engine.load_artifact(args.parent, model, profile, trusted=_trusted(args)) if args.parent else None
+    parent = _load(engine, args.parent, model, profile, trust) if args.parent else None
     note = ""
     key = args.key
     if key is None:
@@ -171,28 +197,24 @@ def _cmd_capture(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_graft(args: argparse.Namespace) -> dict[str, Any]:
     engine = _engine()
     text = engine.read_text(args.text_file)
-    model_name = _artifact_model(engine, args.artifact)
+    trust = _trust(args)
+    model_name = _artifact_model(engine, args.artifact, trust)
     model, profile = _model_and_profile(engine, model_name, args.profile)
-    artifact = engine.load_artifact(args.artifact, model, profile, trusted=_trusted(args))
+    artifact = _load(engine, args.artifact, model, profile, trust)
     result = engine.graft(model, profile, artifact, text).summary()
     result["signature"] = artifact.signature
     result["summary"] = f"graft of {args.artifact}: logits_sha256 {result['logits_sha256']} over positions {result['positions']}"
     return result
 
 
-def _artifact_model(engine: Any, directory: Path) -> str:
-    # The model to load is named by the artifact; everything else is checked after loading.
-    from kvgraft.verifier import b64decode_any, read_envelope
-
+def _artifact_model(engine: Any, directory: Path, trust: Any) -> str:
+    """The model the artifact names (to load it), read from its statement after the signature
+    is verified: an unsigned payload is never parsed unless the user skipped the check."""
     statement_path = directory / engine.STATEMENT_FILE
     if not statement_path.is_file():
         raise CliError(f"{directory} has no {engine.STATEMENT_FILE}", hint="pass an artifact directory written by 'kvgraft capture'")
-    envelope = read_envelope(statement_path)
-    statement = parse_statement(b64decode_any(envelope.payload, what="envelope payload"), what=str(statement_path))
-    model = getattr(getattr(statement, "predicate", None), "model", None)
-    if model is None:
-        raise CliError(f"{statement_path} is not a KV artifact statement", hint="pass an artifact directory")
-    return str(model.name)
+    statement, _ = engine.read_statement(directory, trust.keys, trust.skip)
+    return str(statement.predicate.model.name)
 
 
 def _cmd_fresh(args: argparse.Namespace) -> dict[str, Any]:
@@ -220,9 +242,11 @@ def _cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_new_tokens < 1:
         raise CliError("--max-new-tokens must be at least 1", hint="e.g. --max-new-tokens 64")
     text = engine.read_text(args.text_file)
-    model, profile = _model_and_profile(engine, _artifact_model(engine, args.artifact), args.profile)
-    artifact = engine.load_artifact(args.artifact, model, profile, trusted=_trusted(args))
+    trust = _trust(args)
+    model, profile = _model_and_profile(engine, _artifact_model(engine, args.artifact, trust), args.profile)
+    artifact = _load(engine, args.artifact, model, profile, trust)
     result = engine.generate(model, profile, artifact, text, args.max_new_tokens)
+    result["signature"] = artifact.signature
     result["summary"] = str(result["text"])
     return result
 
@@ -284,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def engine_opts(p: argparse.ArgumentParser) -> None:
         p.add_argument("--profile", default="cpu-fp32", help="determinism profile (default cpu-fp32)")
-        p.add_argument("--trusted-keys", type=Path, help="check artifact signatures against these keys")
+        add_trust_options(p)
 
     cap = sub.add_parser("capture", help="run a text through a model and write its KV state as a signed artifact")
     cap.add_argument("--model", required=True)
@@ -343,16 +367,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    # The engine's base error counts only once the engine was imported by the command.
-    engine = sys.modules.get("kvgraft.engine")
-    return (CliError, VerificationError, SchemaError, *((engine.EngineError,) if engine else ()))
-
-
 def _fail(args: argparse.Namespace, e: BaseException) -> int:
     line = " ".join(str(e).split())
     if args.json:
-        sys.stdout.write(json.dumps({"ok": False, "error": type(e).__name__, "message": line}) + "\n")
+        # A command that failed after finding things out (fsck) attaches its report as ``result``.
+        found = getattr(e, "result", None)
+        found = found if isinstance(found, dict) else {}
+        doc = {**found, "ok": False, "error": type(e).__name__, "message": line}
+        sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
     sys.stderr.write(f"kvgraft: {type(e).__name__}: {line}\n")
     return 1
 
@@ -363,7 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = args.run(args)
     except Exception as e:
-        if isinstance(e, _user_errors()):
+        # Every kvgraft failure is a KvgraftError: one line, no traceback. Anything else is a bug.
+        if isinstance(e, KvgraftError):
             return _fail(args, e)
         raise
     if args.json:

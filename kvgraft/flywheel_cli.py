@@ -118,8 +118,11 @@ def _cmd_deposit(args: argparse.Namespace) -> dict[str, Any]:
     model, profile = engine.load_model(args.model), engine.current_profile(args.profile)
     key, passphrase = _key(args)
     if (args.library / "library.json").exists():
-        library = Library.open(args.library, model, profile)
+        # New entries chain onto the library's prefix: it is verified before it is built on.
+        trust = cli._trust(args)
+        library = Library.open(args.library, model, profile, trusted=trust.keys, insecure_skip_verify=trust.skip)
     else:
+        # A new library's only signed artifact is the prefix it writes now with --key: trusted as that key.
         library = Library.create(args.library, model, profile, kind=dataset.kind, key=key, passphrase=passphrase)
     t0 = time.perf_counter()
     before = len(library.entries)
@@ -155,13 +158,15 @@ def _cmd_deposit(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _open_library(args: argparse.Namespace) -> Any:
+    """The library of ``--library``, every artifact it grafts verified against the trust options."""
     cli = _cli()
     engine = cli._engine()
     from kvgraft.engine._internal.library import Library, read_meta
 
     meta = read_meta(args.library)
+    trust = cli._trust(args)  # refused before any model is loaded
     model, profile = engine.load_model(meta["model"]), engine.current_profile(meta["profile"])
-    return Library.open(args.library, model, profile, trusted=cli._trusted(args))
+    return Library.open(args.library, model, profile, trusted=trust.keys, insecure_skip_verify=trust.skip)
 
 
 def _cmd_ask(args: argparse.Namespace) -> dict[str, Any]:
@@ -208,8 +213,11 @@ def _cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     run = run_eval(model, profile, args.dataset, args.out, key=key, library=library, max_new_tokens=args.max_new_tokens,
                    limit=args.limit, seed=args.seed, passphrase=passphrase, on_item=item)
     a = run.statement.predicate.aggregates
+    from kvgraft.engine import SKIPPED
+
+    signature = None if library is None else SKIPPED if library.insecure_skip_verify else "verified"
     return {
-        "record": str(args.out), "items": a.items, "correct": a.correct, "accuracy": a.accuracy,
+        "record": str(args.out), "items": a.items, "correct": a.correct, "accuracy": a.accuracy, "signature": signature,
         "prompt_tokens": a.prompt_tokens, "decode_tokens": a.decode_tokens, "seconds": round(run.seconds, 3),
         "energy_joules": run.energy_joules, "energy_method": run.energy_method,
         "summary": f"{args.out}: {a.correct}/{a.items} correct ({a.accuracy:.3f}); {a.prompt_tokens} prompt and "
@@ -244,8 +252,14 @@ def _cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry.report import log_index_of, write_log_proofs
 
     cli = _cli()
-    cli._engine()
+    engine = cli._engine()
     key, passphrase = _key(args)
+    # The replayed eval loads the library in a fresh process: it gets the same trust options.
+    trust_args = [*(["--trusted-keys", str(args.trusted_keys.resolve())] if args.trusted_keys else []),
+                  *(["--trust-local-key"] if args.trust_local_key else []),
+                  *(["--insecure-skip-verify"] if args.insecure_skip_verify else [])]
+    if args.insecure_skip_verify:
+        sys.stderr.write(f"kvgraft: {engine.SKIP_WARNING}\n")
     try:
         prereg_envelope = (args.pre_registration / "record.dsse.json").read_bytes()
     except OSError as e:
@@ -254,7 +268,8 @@ def _cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
     with _registry(args, token_required=True) as (client, reg_key):
         # The pre-registration must be in the log before the replay runs: that is its point.
         prereg_index = log_index_of(client, prereg_envelope)
-        statement = run_replay(args.pre_registration, args.out, log_index=prereg_index, key=key, passphrase=passphrase)
+        statement = run_replay(args.pre_registration, args.out, log_index=prereg_index, key=key, passphrase=passphrase,
+                               trust_args=trust_args)
         published = _publish(client, args.out, args.registry_key)
         # Beside the replay, not in it: the record directory holds only its subjects and log.json.
         checkpoint = args.checkpoint_out or args.out.with_name(args.out.name + ".checkpoint.txt")
@@ -278,16 +293,26 @@ def _cmd_report(args: argparse.Namespace) -> dict[str, Any]:
 
     cli = _cli()
     with _registry(args, token_required=False) as (client, reg_key):
-        refs = args.entry or [str(e["log_index"]) for e in client.iter_entries()]
+        if args.entry:
+            refs = args.entry
+        else:
+            # Every entry up to one verified checkpoint: a listing that never ends stops there
+            # (and the client refuses one that does not advance).
+            head, _ = client.signed_head(reg_key)
+            refs = [str(e["log_index"]) for e in client.iter_entries(below=head.size)]
         made = fetch_report(client, reg_key, refs, args.out)
-    if args.trusted_keys is not None:
-        shutil.copyfile(args.trusted_keys, args.out / "trusted-keys.json")
-    if args.dataset:
-        (args.out / "datasets").mkdir(exist_ok=True)
-        for d in args.dataset:
-            if not d.is_file():
-                raise cli.CliError(f"dataset {d} is not a file", hint="pass the dataset files the evaluations name")
-            shutil.copyfile(d, args.out / "datasets" / d.name)
+    try:
+        if args.trusted_keys is not None:
+            shutil.copyfile(args.trusted_keys, args.out / "trusted-keys.json")
+        if args.dataset:
+            (args.out / "datasets").mkdir(exist_ok=True)
+            for d in args.dataset:
+                if not d.is_file():
+                    raise cli.CliError(f"dataset {d} is not a file", hint="pass the dataset files the evaluations name")
+                shutil.copyfile(d, args.out / "datasets" / d.name)
+    except OSError as e:
+        raise cli.CliError(f"cannot copy into the report {args.out}: {e.strerror or e}",
+                           hint="check the --trusted-keys and --dataset files and the free space") from e
     counts = {k: len(v) for k, v in made.items()}
     return {"report": str(args.out), "entries": counts,
             "summary": f"{args.out}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) +
@@ -319,6 +344,7 @@ def add_flywheel_commands(sub: Any, guard: Callable[[Command], Command] = lambda
     dep.add_argument("--seed", type=int)
     dep.add_argument("--profile", default="cpu-fp32")
     key_opts(dep)
+    _cli().add_trust_options(dep)
     registry_opts(dep)
     dep.set_defaults(run=guard(_cmd_deposit))
 
@@ -328,7 +354,7 @@ def add_flywheel_commands(sub: Any, guard: Callable[[Command], Command] = lambda
     q.add_argument("--question", help="the question text")
     q.add_argument("--question-file", type=Path)
     ask.add_argument("--max-new-tokens", type=int, default=256, help="budget for a new problem (a recall stops at 16)")
-    ask.add_argument("--trusted-keys", type=Path, help="check entry signatures against these keys")
+    _cli().add_trust_options(ask)
     ask.set_defaults(run=guard(_cmd_ask))
 
     ev = sub.add_parser("eval", help="evaluate on a dataset (base model, or from a library); writes a signed record")
@@ -340,7 +366,7 @@ def add_flywheel_commands(sub: Any, guard: Callable[[Command], Command] = lambda
     ev.add_argument("--limit", type=int, help="the first N problems (or N drawn with --seed)")
     ev.add_argument("--seed", type=int, help="draw --limit problems with this seed")
     ev.add_argument("--profile", default="cpu-fp32")
-    ev.add_argument("--trusted-keys", type=Path, help="check library entry signatures against these keys")
+    _cli().add_trust_options(ev)
     key_opts(ev)
     ev.set_defaults(run=guard(_cmd_eval))
 
@@ -358,6 +384,7 @@ def add_flywheel_commands(sub: Any, guard: Callable[[Command], Command] = lambda
     rp.add_argument("--out", type=Path, required=True)
     rp.add_argument("--checkpoint-out", type=Path, help="where the signed checkpoint goes (default: OUT.checkpoint.txt)")
     key_opts(rp)
+    _cli().add_trust_options(rp)
     registry_opts(rp, required=True)
     rp.set_defaults(run=guard(_cmd_replay))
 

@@ -1,4 +1,4 @@
-"""The registry's ``kvgraft`` subcommands: ``serve``, ``token`` and ``key``.
+"""The registry's ``kvgraft`` subcommands: ``serve``, ``token``, ``key`` and ``fsck``.
 
 ``kvgraft.cli`` calls ``add_registry_commands(sub)``. Importing this module imports neither
 litestar nor duckdb; each command loads what it needs when it runs, so the rest of ``kvgraft``
@@ -8,16 +8,27 @@ works without the ``registry`` extra. ``python -m kvgraft.registry`` runs these 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from kvgraft.schemas import KvgraftError
 
 from ._internal.errors import RegistryError
 from ._internal.settings import (
     DEFAULT_MAX_BLOB_BYTES,
     DEFAULT_MAX_ENVELOPE_BYTES,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_HEADER_COUNT,
+    DEFAULT_MAX_JSON_DEPTH,
+    DEFAULT_MAX_LINEAGE_DEPTH,
+    DEFAULT_MAX_QUERY_LENGTH,
+    DEFAULT_MAX_SEARCH_TERMS,
+    DEFAULT_MAX_SIGNATURES,
     DEFAULT_RATE_BURST,
     DEFAULT_RATE_LIMIT,
+    DEFAULT_VERIFY_ON_READ_BYTES,
     RegistrySettings,
 )
 
@@ -27,8 +38,8 @@ _MAX_KEY_FILE = 64 * 1024
 Command = Callable[[argparse.Namespace], dict[str, Any]]
 
 
-class RegistryCommandError(Exception):
-    """A registry command failed; the message is one line with a hint."""
+class RegistryCommandError(KvgraftError):
+    """A registry command failed outside ``kvgraft`` (no ``CliError`` to report it as)."""
 
 
 def _fail(message: str, hint: str) -> BaseException:
@@ -36,7 +47,7 @@ def _fail(message: str, hint: str) -> BaseException:
     try:
         from kvgraft.cli import CliError
     except ImportError:
-        return RegistryCommandError(f"{message} (hint: {hint})")
+        return RegistryCommandError(message, hint=hint)
     return CliError(message, hint=hint)
 
 
@@ -79,9 +90,19 @@ def _cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
             reads_require_token=args.reads_require_token,
             rate_limit=args.rate_limit,
             rate_burst=args.rate_burst,
+            max_search_terms=args.max_search_terms,
+            max_query_length=args.max_query_length,
+            max_signatures=args.max_signatures,
+            max_header_bytes=args.max_header_bytes,
+            max_header_count=args.max_header_count,
+            max_lineage_depth=args.max_lineage_depth,
+            max_json_depth=args.max_json_depth,
+            public_url=args.public_url,
+            scrub_interval=args.scrub_interval,
+            verify_on_read_bytes=args.verify_on_read_bytes,
         )
     except ValueError as e:
-        raise _fail(str(e), "pass positive sizes, a rate limit >= 0 and a burst >= 1") from e
+        raise _fail(str(e), "pass positive sizes and counts, a rate limit >= 0, a burst >= 1 and a scrub interval >= 0") from e
     started = serve(args.data, host=args.host, port=args.port, settings=settings, log_level=args.log_level)
     if not started:
         raise _fail(f"the registry server on {args.host}:{args.port} did not start", "see the log above (is the port in use?)")
@@ -155,11 +176,35 @@ def _cmd_token_revoke(args: argparse.Namespace) -> dict[str, Any]:
     return {**result, "via": via, "summary": f"token {result['token_id']} of {result['publisher']} revoked {when} {applies}"}
 
 
+# --- fsck --------------------------------------------------------------------------------------
+
+
+def _cmd_fsck(args: argparse.Namespace) -> dict[str, Any]:
+    from ._internal.fsck import fsck
+
+    report = fsck(args.data, quarantine=not args.no_quarantine)
+    doc = {**report.document(), "summary": report.summary()}
+    if report.ok:
+        return doc
+    if not args.json:
+        # The one-line failure names at most a few things; people get every one on stdout.
+        sys.stdout.write(report.summary() + "\n")
+    moved = " (quarantined: no longer served)" if report.quarantined else ""
+    error = _fail(
+        f"fsck found {len(report.damaged)} damaged thing(s) in {args.data}{moved}: {report.names()}",
+        "upload a damaged blob's right bytes again (PUT /v1/blobs/sha256:<hex>, or 'kvgraft publish') to repair it; "
+        "a damaged entry, checkpoint or log means restoring registry.duckdb from a backup",
+    )
+    # kvgraft --json prints the whole report with the failure.
+    error.result = doc  # type: ignore[attr-defined]
+    raise error
+
+
 # --- wiring ------------------------------------------------------------------------------------
 
 
 def add_registry_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``serve``, ``token`` and ``key`` to ``kvgraft``'s subcommands.
+    """Add ``serve``, ``token``, ``key`` and ``fsck`` to ``kvgraft``'s subcommands.
 
     Each sets ``run(args) -> dict`` with a ``summary``, as the other ``kvgraft`` commands do.
     """
@@ -184,6 +229,28 @@ def add_registry_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     serve.add_argument(
         "--rate-burst", type=int, default=DEFAULT_RATE_BURST, metavar="N",
         help=f"requests each token may make at once (default {DEFAULT_RATE_BURST})",
+    )
+    for flag, default, what in (
+        ("--max-search-terms", DEFAULT_MAX_SEARCH_TERMS, "words per search query (q=)"),
+        ("--max-query-length", DEFAULT_MAX_QUERY_LENGTH, "characters in a search query"),
+        ("--max-signatures", DEFAULT_MAX_SIGNATURES, "signatures per posted envelope (more: 413)"),
+        ("--max-header-bytes", DEFAULT_MAX_HEADER_BYTES, "bytes of request line and headers (more: 431)"),
+        ("--max-header-count", DEFAULT_MAX_HEADER_COUNT, "request headers (more: 431)"),
+        ("--max-lineage-depth", DEFAULT_MAX_LINEAGE_DEPTH, "parent chain length accepted and walked"),
+        ("--max-json-depth", DEFAULT_MAX_JSON_DEPTH, "nesting depth of posted JSON"),
+    ):
+        serve.add_argument(flag, type=int, default=default, metavar="N", help=f"{what} (default {default})")
+    serve.add_argument(
+        "--verify-on-read-bytes", type=int, default=DEFAULT_VERIFY_ON_READ_BYTES, metavar="N",
+        help=f"re-hash blobs up to this size each time they are served; 0: never (default {DEFAULT_VERIFY_ON_READ_BYTES})",
+    )
+    serve.add_argument(
+        "--scrub-interval", type=float, default=0.0, metavar="SECONDS",
+        help="re-hash every stored blob this often in the background; 0: never (default 0)",
+    )
+    serve.add_argument(
+        "--public-url", metavar="URL",
+        help="this registry's public base URL, used in the commands its pages show (default: the listening address)",
     )
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(run=_guarded(_cmd_serve))
@@ -216,6 +283,17 @@ def add_registry_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     klist = ksub.add_parser("list", help="list registered keys")
     data_opt(klist)
     klist.set_defaults(run=_guarded(_cmd_key_list))
+
+    check = sub.add_parser(
+        "fsck",
+        help="check a stopped registry's data directory: re-hash every blob (quarantining bad ones), "
+        "check entries, log leaves and roots; exit 1 naming what is damaged",
+    )
+    data_opt(check)
+    check.add_argument(
+        "--no-quarantine", action="store_true", help="only report damaged blobs; leave them in place (and served)"
+    )
+    check.set_defaults(run=_guarded(_cmd_fsck))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

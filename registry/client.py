@@ -10,6 +10,15 @@ size equal to the source's, and a consistency proof from there to the target's c
 Blobs stream both ways in 1 MiB chunks, so memory stays flat in the blob size. The registry key
 is either pinned (a PEM file) or fetched from ``/v1/log/key`` and reported as trust on first use.
 
+Nor are the registry's sizes and pace trusted (``ClientLimits``): every request has one total
+deadline (connect to last byte, enforced on each socket read and write), a JSON answer is read
+up to ``max_json_bytes`` and no further, a blob is written up to its Content-Length and no
+further, and a listing must advance (a new cursor, strictly increasing log indexes) within
+``max_pages`` and ``max_items``. Every checkpoint verified is compared with the newest one this
+machine verified before for the same log (``CheckpointMemory``, under ``$KVGRAFT_HOME``): one
+that does not provably extend it (RFC 9162 consistency proof) is refused, as Go's sumdb client
+refuses a forked checksum database.
+
 This module needs httpx (the ``registry`` extra) but not litestar, duckdb, uvicorn or the
 server's modules; ``kvgraft.registry.client_cli`` imports it only when a command runs.
 """
@@ -17,23 +26,32 @@ server's modules; ``kvgraft.registry.client_cli`` imports it only when a command
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
+import datetime
+import errno
+import fcntl
 import hashlib
+import json
+import math
 import os
 import shutil
 import tempfile
+import time
 import urllib.parse
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import httpcore
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 import kvgraft
 from kvgraft.schemas import (
     KvArtifactStatement,
+    KvgraftError,
     SchemaError,
     Statement,
     hex_of,
@@ -60,6 +78,7 @@ from kvgraft.verifier import (
     verify_inclusion,
     verify_statement_envelope,
     verify_subjects,
+    write_atomic,
 )
 
 #: Blobs move in chunks of this size, both ways: memory stays flat in the blob size.
@@ -74,24 +93,83 @@ PAGE_LIMIT = 500
 #: No real chain is this deep; a cycle cannot make publish or pull recurse forever.
 MAX_CHAIN = 1_000
 
+# --- the client's limits (docs/registry.md, "Client limits") -----------------------------------
+
+#: Seconds one request may take in all, from connecting to its last byte (``--timeout``).
+DEFAULT_TIMEOUT = 60.0
+#: The largest JSON answer read (``--max-json-bytes``); a longer one is refused unread.
+DEFAULT_MAX_JSON_BYTES = 64 << 20
+#: The deepest JSON answer accepted (the registry's documents nest a handful of levels).
+DEFAULT_MAX_JSON_DEPTH = 64
+#: The largest checkpoint note read (a note is a few hundred bytes; witnesses add lines).
+DEFAULT_MAX_NOTE_BYTES = 64 << 10
+#: The largest error document read before an error is reported.
+DEFAULT_MAX_PROBLEM_BYTES = 64 << 10
+#: The largest blob accepted (``--max-blob-bytes``): a larger Content-Length is refused before a byte.
+DEFAULT_MAX_BLOB_BYTES = 64 << 30
+#: A blob transfer gets ``--timeout`` plus its size at this rate in bytes/s (``--min-rate``).
+DEFAULT_MIN_RATE = 1 << 20
+#: The most pages and items one listing may take; past them the listing stops with an error.
+DEFAULT_MAX_PAGES = 100_000
+DEFAULT_MAX_ITEMS = 1_000_000
+
 _HEX64 = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True)
+class ClientLimits:
+    """How much of a registry's time, memory and disk the client will spend on one request.
+
+    A registry is not trusted with these: an answer past a limit ends the request with a
+    one-line ``RegistryClientError`` naming the limit, never with a full memory or disk.
+    """
+
+    #: Seconds for one request in all (connect, send, headers, body): not per read.
+    timeout: float = DEFAULT_TIMEOUT
+    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+    #: Envelopes are read whole; the registry's own default limit is 16 MiB.
+    max_envelope_bytes: int = MAX_ENVELOPE_BYTES
+    max_note_bytes: int = DEFAULT_MAX_NOTE_BYTES
+    max_problem_bytes: int = DEFAULT_MAX_PROBLEM_BYTES
+    max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES
+    #: Bytes per second a blob transfer must average: its deadline is timeout + size / min_rate.
+    min_rate: int = DEFAULT_MIN_RATE
+    max_pages: int = DEFAULT_MAX_PAGES
+    max_items: int = DEFAULT_MAX_ITEMS
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.timeout) and self.timeout > 0):
+            raise RegistryClientError(f"timeout {self.timeout} is not a positive number of seconds", hint="pass --timeout S with S > 0")
+        for name in (
+            "max_json_bytes",
+            "max_json_depth",
+            "max_envelope_bytes",
+            "max_note_bytes",
+            "max_problem_bytes",
+            "max_blob_bytes",
+            "min_rate",
+            "max_pages",
+            "max_items",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise RegistryClientError(
+                    f"{name} {value!r} is not a positive integer", hint="pass a positive whole number"
+                )
+
+    def blob_seconds(self, size: int) -> float:
+        """The deadline of a blob transfer of ``size`` bytes: the timeout plus its time at ``min_rate``."""
+        return self.timeout + size / self.min_rate
 
 
 # --- errors ------------------------------------------------------------------------------------
 
 
-class RegistryClientError(Exception):
-    """Base class of every failure of the registry client; one line with a hint."""
+class RegistryClientError(KvgraftError):
+    """Base class of every failure of the registry client (a ``kvgraft.KvgraftError``)."""
 
-    default_hint = "check the registry URL and the inputs named in the message"
-
-    def __init__(self, message: str, *, hint: str | None = None) -> None:
-        self.message = message
-        self.hint = hint if hint is not None else self.default_hint
-        super().__init__(message)
-
-    def __str__(self) -> str:
-        return " ".join(f"{self.message} (hint: {self.hint})".split())
+    default_hint: str | None = "check the registry URL and the inputs named in the message"
 
 
 class RegistryUnavailableError(RegistryClientError):
@@ -172,6 +250,44 @@ class MirrorDivergedError(RegistryClientError):
 # --- progress ----------------------------------------------------------------------------------
 
 
+class ResponseTooLargeError(RegistryResponseError):
+    """An answer is larger, deeper or slower to parse than the client's limits allow."""
+
+    default_hint = (
+        "the registry sent more than any kvgraft registry does: report it to its operator "
+        "(raise --max-json-bytes only if you trust it)"
+    )
+
+
+class ListingError(RegistryResponseError):
+    """A paged listing does not advance: its cursor repeats, its log indexes do not increase, or it
+    runs past ``max_pages`` / ``max_items``."""
+
+    default_hint = "the registry's listing does not end; report it to the registry's operator"
+
+
+class DiskFullError(LocalFilesError):
+    """A pulled file does not fit on the local disk (checked first; ENOSPC while writing)."""
+
+    default_hint = "free space on that filesystem, or pull into a directory on another one"
+
+
+class LogForkError(EvidenceError):
+    """A checkpoint does not provably extend the newest one this machine verified for the same log:
+    a possible split view (two trees for one log) or rollback (the log lost entries)."""
+
+    default_hint = (
+        "do not use this registry's answers: report both checkpoints to its operator. Only if the "
+        "operator confirms the log was deliberately reset, remove the remembered checkpoint file named here"
+    )
+
+
+class CheckpointMemoryError(LocalFilesError):
+    """The file that remembers a log's newest verified checkpoint cannot be read, verified or written."""
+
+    default_hint = "check $KVGRAFT_HOME/checkpoints; remove the named file only if you know why it is damaged"
+
+
 class Progress(Protocol):
     """The part of a tqdm bar the client uses."""
 
@@ -221,7 +337,9 @@ def _digest(value: str, what: str = "digest") -> str:
     try:
         return str(parse_sha256(value))
     except SchemaError as e:
-        raise RegistryClientError(f"{what} {value[:80]!r} is not sha256:<64 lowercase hex>", hint="copy the digest exactly") from e
+        raise RegistryClientError(
+            f"{what} {value[:80]!r} is not sha256:<64 lowercase hex>", hint="copy the digest exactly"
+        ) from e
 
 
 def _sha256(data: bytes) -> str:
@@ -272,6 +390,159 @@ def kvgraft_home() -> Path:
     return Path(os.environ.get("KVGRAFT_HOME") or Path.home() / ".cache" / "kvgraft")
 
 
+# --- deadlines ---------------------------------------------------------------------------------
+
+
+class _Deadline:
+    """A point in ``time.monotonic()`` by which a request must be done (movable: a blob's
+    deadline is set once its Content-Length is known)."""
+
+    __slots__ = ("at", "seconds")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+
+    def extend_to(self, seconds: float) -> None:
+        """Let the request run ``seconds`` from its start in all."""
+        self.at += seconds - self.seconds
+        self.seconds = seconds
+
+
+#: The deadlines of the requests in progress in this context; nested requests (a mirror's GET
+#: feeding a PUT) are bound by all of them.
+_DEADLINES: contextvars.ContextVar[tuple[_Deadline, ...]] = contextvars.ContextVar(
+    "kvgraft_registry_deadlines", default=()
+)
+
+
+def _time_left(timeout: float | None, error: type[Exception]) -> float | None:
+    """The socket timeout for one read or write: the configured one, cut to the time left."""
+    active = _DEADLINES.get()
+    if not active:
+        return timeout
+    left = min(d.at for d in active) - time.monotonic()
+    if left <= 0:
+        raise error("the request's total deadline passed")
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A socket stream whose every read and write waits at most until the request's deadline, so
+    a registry that drips one byte per read cannot outlive ``--timeout``."""
+
+    def __init__(self, inner: httpcore.NetworkStream) -> None:
+        self._inner = inner
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, _time_left(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, _time_left(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(
+        self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.NetworkStream:
+        inner = self._inner.start_tls(ssl_context, server_hostname, _time_left(timeout, httpcore.ConnectTimeout))
+        return _DeadlineStream(inner)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    def __init__(self, inner: httpcore.NetworkBackend) -> None:
+        self._inner = inner
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        timeout = _time_left(timeout, httpcore.ConnectTimeout)
+        return _DeadlineStream(self._inner.connect_tcp(host, port, timeout, local_address, socket_options))
+
+    def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
+    ) -> httpcore.NetworkStream:
+        timeout = _time_left(timeout, httpcore.ConnectTimeout)
+        return _DeadlineStream(self._inner.connect_unix_socket(path, timeout, socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+
+def _install_deadlines(http: httpx.Client) -> None:
+    # httpx exposes no network backend option; its transports (and proxy mounts) each hold an
+    # httpcore pool that does. Where a future httpx hides it, the client still checks the
+    # deadline between chunks (see _read_body), a coarser bound.
+    for transport in [http._transport, *http._mounts.values()]:
+        pool = getattr(transport, "_pool", None)
+        backend = getattr(pool, "_network_backend", None)
+        if backend is not None and not isinstance(backend, _DeadlineBackend):
+            pool._network_backend = _DeadlineBackend(backend)  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float) -> Iterator[_Deadline]:
+    d = _Deadline(seconds)
+    token = _DEADLINES.set((*_DEADLINES.get(), d))
+    try:
+        yield d
+    finally:
+        _DEADLINES.reset(token)
+
+
+def _check_deadline(what: str) -> None:
+    active = _DEADLINES.get()
+    if active and time.monotonic() > min(d.at for d in active):
+        raise httpx.ReadTimeout(f"{what}: the request's total deadline passed")
+
+
+# --- bounded JSON ------------------------------------------------------------------------------
+
+
+def _too_deep(doc: Any, limit: int) -> bool:
+    # Iterative, so that checking a deep document cannot itself recurse.
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def parse_json_answer(body: bytes, url: str, limits: ClientLimits) -> Any:
+    """Parse a registry's JSON answer; every way it can fail is one ``RegistryResponseError``.
+
+    A document nested past ``limits.max_json_depth`` (or past what Python's parser can recurse
+    into), or one too large to hold in memory, is refused like a malformed one.
+    """
+    try:
+        doc = json.loads(body)
+    except RecursionError as e:
+        raise ResponseTooLargeError(
+            f"{url} sent JSON nested too deeply to parse (over {limits.max_json_depth} levels)"
+        ) from e
+    except MemoryError as e:
+        raise ResponseTooLargeError(f"{url} sent a JSON answer of {len(body)} bytes that does not fit in memory") from e
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _malformed(url, "the body is not JSON") from e
+    if _too_deep(doc, limits.max_json_depth):
+        raise ResponseTooLargeError(f"{url} sent JSON nested more than {limits.max_json_depth} levels deep")
+    return doc
+
+
 # --- the HTTP client ---------------------------------------------------------------------------
 
 
@@ -280,7 +551,10 @@ class RegistryClient:
     pool is closed when the block ends.
 
     ``token`` is sent as ``Authorization: Bearer`` on every request (writes need it; reads need
-    it only on registries started with ``--reads-require-token``).
+    it only on registries started with ``--reads-require-token``). ``limits`` bound every
+    answer (``timeout``, when given, replaces ``limits.timeout``). ``memory`` remembers the
+    newest checkpoint verified per log and refuses one that does not extend it: by default
+    (None) ``CheckpointMemory.default()``, under ``$KVGRAFT_HOME``; ``NO_MEMORY`` turns it off.
     """
 
     def __init__(
@@ -288,24 +562,40 @@ class RegistryClient:
         url: str,
         *,
         token: str | None = None,
-        timeout: float = 60.0,
+        timeout: float | None = None,
         transport: httpx.BaseTransport | None = None,
+        limits: ClientLimits | None = None,
+        memory: CheckpointMemory | None | type[_NoMemory] = None,
     ) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise RegistryClientError(f"{url!r} is not a registry URL", hint="pass http(s)://host:port, e.g. http://127.0.0.1:8000")
+            raise RegistryClientError(
+                f"{url!r} is not a registry URL", hint="pass http(s)://host:port, e.g. http://127.0.0.1:8000"
+            )
         self.url = url.rstrip("/")
+        limits = limits or ClientLimits()
+        if timeout is not None:
+            limits = dataclasses.replace(limits, timeout=timeout)
+        self.limits = limits
+        self.memory: CheckpointMemory | None = (
+            CheckpointMemory.default()
+            if memory is None
+            else (
+                None if memory is _NoMemory else memory  # type: ignore[assignment]
+            )
+        )
         headers = {"User-Agent": f"kvgraft/{kvgraft.__version__}"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self._http = httpx.Client(
             base_url=self.url,
             headers=headers,
-            # The read timeout bounds each read, not a whole transfer: large blobs still stream.
-            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            # Each read or write waits at most this long, and never past the request's deadline.
+            timeout=httpx.Timeout(limits.timeout, connect=min(limits.timeout, 10.0)),
             transport=transport,
             follow_redirects=False,
         )
+        _install_deadlines(self._http)
 
     def __enter__(self) -> RegistryClient:
         return self
@@ -319,148 +609,294 @@ class RegistryClient:
 
     # --- plumbing ------------------------------------------------------------------------
 
+    def _read_body(self, response: httpx.Response, limit: int, what: str) -> bytes:
+        """The body of ``response``, refused past ``limit`` bytes (counted as decoded, so a
+        compressed answer cannot expand past it either); never more than one chunk over."""
+        url = f"{response.request.method} {response.request.url}"
+        length = response.headers.get("content-length", "")
+        if length.isascii() and length.isdigit() and int(length) > limit:
+            raise ResponseTooLargeError(
+                f"{url} announced {int(length)} bytes for {what}, more than the limit of {limit}"
+            )
+        body = bytearray()
+        try:
+            for chunk in response.iter_bytes():
+                body += chunk
+                if len(body) > limit:
+                    raise ResponseTooLargeError(f"{url} sent more than {limit} bytes for {what}; the rest was not read")
+                _check_deadline(url)
+            return bytes(body)
+        except MemoryError as e:
+            raise ResponseTooLargeError(f"{url}: {what} of {len(body)} bytes so far does not fit in memory") from e
+
     def _error(self, response: httpx.Response) -> RegistryResponseError:
         problem: dict[str, Any] = {}
-        with contextlib.suppress(ValueError, httpx.HTTPError):
-            response.read()
-            doc = response.json()
-            if isinstance(doc, dict):
+        with contextlib.suppress(ValueError, RecursionError, MemoryError, RegistryClientError, httpx.HTTPError):
+            body = self._read_body(response, self.limits.max_problem_bytes, "an error document")
+            doc = json.loads(body)
+            if isinstance(doc, dict) and not _too_deep(doc, self.limits.max_json_depth):
                 problem = doc
         status = response.status_code
         where = f"{response.request.method} {response.request.url}"
         detail = problem.get("detail") if isinstance(problem.get("detail"), str) else None
         title = problem.get("title") if isinstance(problem.get("title"), str) else response.reason_phrase
-        message = f"{where} answered {status} {title}" + (f": {detail}" if detail else "")
+        message = f"{where} answered {status} {title}" + (f": {detail[:500]}" if detail else "")
         missing = problem.get("missing")
         if isinstance(missing, list) and missing and not detail:
             message += f" (missing {', '.join(map(str, missing[:5]))})"
         hint = problem.get("hint") if isinstance(problem.get("hint"), str) else None
-        cls = RegistryAuthError if status in (401, 403) else RegistryNotFoundError if status == 404 else RegistryResponseError
+        cls = (
+            RegistryAuthError
+            if status in (401, 403)
+            else RegistryNotFoundError
+            if status == 404
+            else RegistryResponseError
+        )
         return cls(message, hint=hint, status=status, problem=problem)
 
-    def _request(
-        self, method: str, path: str, *, expect: Sequence[int] = (200,), token: str | None = None, **kwargs: Any
-    ) -> httpx.Response:
+    @contextlib.contextmanager
+    def _stream(
+        self,
+        method: str,
+        path: str,
+        *,
+        expect: Sequence[int] = (200,),
+        token: str | None = None,
+        seconds: float | None = None,
+        **kwargs: Any,
+    ) -> Iterator[tuple[httpx.Response, _Deadline]]:
+        """Send one request under one total deadline (``seconds``, default the timeout) and yield
+        (the response, its deadline) with the body unread; a status not in ``expect`` raises."""
         headers = dict(kwargs.pop("headers", None) or {})
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        try:
-            response = self._http.request(method, path, headers=headers, **kwargs)
-        except httpx.HTTPError as e:
-            raise RegistryUnavailableError(f"{method} {self.url}{path} failed: {str(e) or type(e).__name__}") from e
-        if response.status_code not in expect:
-            raise self._error(response)
-        return response
+        seconds = self.limits.timeout if seconds is None else seconds
+        with _deadline(seconds) as deadline:
+            try:
+                with self._http.stream(method, path, headers=headers, **kwargs) as response:
+                    if response.status_code not in expect:
+                        raise self._error(response)
+                    yield response, deadline
+            except httpx.TimeoutException as e:
+                raise RegistryUnavailableError(
+                    f"{method} {self.url}{path} did not complete within its deadline of {deadline.seconds:.0f} s ({e})",
+                    hint="the registry is too slow or stalls; retry, or raise --timeout (the limit for a whole request)",
+                ) from e
+            except httpx.HTTPError as e:
+                raise RegistryUnavailableError(f"{method} {self.url}{path} failed: {str(e) or type(e).__name__}") from e
 
-    def _json(self, path: str, **kwargs: Any) -> dict[str, Any]:
-        response = self._request("GET", path, **kwargs)
-        try:
-            doc = response.json()
-        except ValueError as e:
-            raise _malformed(self.url + path, "the body is not JSON") from e
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        expect: Sequence[int] = (200,),
+        token: str | None = None,
+        limit: int | None = None,
+        what: str = "the answer",
+        **kwargs: Any,
+    ) -> tuple[int, bytes]:
+        """(status, body) of one request, the body read up to ``limit`` bytes (default max_json_bytes)."""
+        with self._stream(method, path, expect=expect, token=token, **kwargs) as (response, _):
+            body = self._read_body(response, self.limits.max_json_bytes if limit is None else limit, what)
+            return response.status_code, body
+
+    def _json(self, path: str, *, method: str = "GET", **kwargs: Any) -> tuple[int, dict[str, Any]]:
+        status, body = self._request(method, path, what="a JSON answer", **kwargs)
+        doc = parse_json_answer(body, self.url + path, self.limits)
         if not isinstance(doc, dict):
             raise _malformed(self.url + path, f"the body is a JSON {type(doc).__name__}, not an object")
-        return doc
+        return status, doc
+
+    def _get_json(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        return self._json(path, **kwargs)[1]
 
     # --- the log -------------------------------------------------------------------------
 
     def log_key(self) -> dict[str, Any]:
         """``GET /v1/log/key``: origin, public key PEM, key id, note verifier key, tree size."""
-        return self._json("/v1/log/key")
+        return self._get_json("/v1/log/key")
 
     def checkpoint(self, tree_size: int | None = None) -> bytes:
-        """The signed checkpoint note, latest or at ``tree_size``, byte for byte as served."""
+        """The signed checkpoint note, latest or at ``tree_size``, byte for byte as served (unchecked:
+        see ``signed_head``)."""
         params = {} if tree_size is None else {"tree_size": tree_size}
-        return self._request("GET", "/v1/log/checkpoint", params=params).content
+        return self._request(
+            "GET", "/v1/log/checkpoint", params=params, limit=self.limits.max_note_bytes, what="a checkpoint"
+        )[1]
+
+    def signed_head(self, key: RegistryKey, tree_size: int | None = None) -> tuple[Checkpoint, bytes]:
+        """The checkpoint (latest, or at ``tree_size``) verified with ``key`` and against the
+        remembered one (``CheckpointMemory``): (checkpoint, note bytes as served)."""
+        note = self.checkpoint(tree_size)
+        head = key.verify(note, self.url + "/v1/log/checkpoint")
+        if tree_size is not None and head.size != tree_size:
+            raise EvidenceError(f"{self.url} answered for its checkpoint at size {tree_size} with size {head.size}")
+        self.remember(key, head, note, latest=tree_size is None)
+        return head, note
+
+    def remember(self, key: RegistryKey, head: Checkpoint, note: bytes, *, latest: bool) -> None:
+        """Check a verified checkpoint against the remembered one and remember it when newer.
+
+        ``latest``: the registry served it as its current head (a smaller size than remembered
+        is then a rollback); otherwise it is a past head, which must be proved a prefix.
+        """
+        if self.memory is not None:
+            self.memory.check(self, key, head, note, latest=latest)
 
     def inclusion_proof(self, index: int, tree_size: int | None = None) -> dict[str, Any]:
         """``{"log_index", "tree_size", "hashes"}`` for entry ``index``."""
         params: dict[str, int] = {"index": index}
         if tree_size is not None:
             params["tree_size"] = tree_size
-        return self._json("/v1/log/proof/inclusion", params=params)
+        return self._get_json("/v1/log/proof/inclusion", params=params)
 
     def consistency_proof(self, old: int, new: int | None = None) -> dict[str, Any]:
         """``{"old_size", "new_size", "hashes"}`` between two tree sizes (new: latest)."""
         params: dict[str, int] = {"old": old}
         if new is not None:
             params["new"] = new
-        return self._json("/v1/log/proof/consistency", params=params)
+        return self._get_json("/v1/log/proof/consistency", params=params)
+
+    def verify_extends(self, old: Checkpoint, new: Checkpoint) -> None:
+        """Fetch and verify the consistency proof that ``new`` extends ``old`` (raises ``EvidenceError``)."""
+        purl = self.url + "/v1/log/proof/consistency"
+        if old.size == new.size or old.size == 0:
+            hashes: list[Any] = []
+        else:
+            proof = self.consistency_proof(old.size, new.size)
+            if (
+                _field(proof, "old_size", int, "the consistency proof", purl) != old.size
+                or _field(proof, "new_size", int, "the consistency proof", purl) != new.size
+            ):
+                raise EvidenceError(f"{purl}: the proof is not from size {old.size} to size {new.size}")
+            hashes = _field(proof, "hashes", list, "the consistency proof", purl)
+        try:
+            path = [
+                bytes.fromhex(h) if isinstance(h, str) and len(h) == 64 and set(h) <= _HEX64 else b"" for h in hashes
+            ]
+            verify_consistency(old.size, new.size, old.root_hash, new.root_hash, path)
+        except VerificationError as e:
+            raise EvidenceError(
+                f"{self.url}'s log at size {new.size} is not proved to extend its log at size {old.size}: {e.message}"
+            ) from e
 
     # --- blobs ---------------------------------------------------------------------------
 
     def blob_size(self, digest: str) -> int | None:
         """The stored blob's size (``HEAD``), or None when the registry does not hold it."""
         digest = _digest(digest)
-        response = self._request("HEAD", f"/v1/blobs/{digest}", expect=(200, 404))
-        if response.status_code == 404:
-            return None
-        length = response.headers.get("content-length", "")
-        if not length.isdigit():
+        with self._stream("HEAD", f"/v1/blobs/{digest}", expect=(200, 404)) as (response, _):
+            if response.status_code == 404:
+                return None
+            length = response.headers.get("content-length", "")
+        if not (length.isascii() and length.isdigit()):
             raise _malformed(f"{self.url}/v1/blobs/{digest}", "HEAD sent no Content-Length")
         return int(length)
 
     def put_blob(self, digest: str, chunks: Iterable[bytes], size: int) -> bool:
         """Upload ``size`` bytes streamed from ``chunks`` as blob ``digest``; True when new.
 
-        Content-Length is sent so that an oversized blob is refused before any byte goes.
+        Content-Length is sent so that an oversized blob is refused before any byte goes. The
+        upload's deadline is the timeout plus ``size`` at ``limits.min_rate``.
         """
         digest = _digest(digest)
-        response = self._request(
-            "PUT", f"/v1/blobs/{digest}", expect=(200, 201), content=chunks,
+        status, _ = self._request(
+            "PUT",
+            f"/v1/blobs/{digest}",
+            expect=(200, 201),
+            content=chunks,
+            limit=self.limits.max_problem_bytes,
             headers={"Content-Length": str(size), "Content-Type": "application/octet-stream"},
+            seconds=self.limits.blob_seconds(size),
         )
-        return response.status_code == 201
+        return status == 201
 
     @contextlib.contextmanager
     def open_blob(self, digest: str) -> Iterator[tuple[int | None, Iterator[bytes]]]:
         """Stream blob ``digest``: yields (Content-Length or None, an iterator of chunks).
 
-        The chunks are the bytes as served, unchecked: hash them (``download_blob`` does).
+        The chunks are the bytes as served, unchecked: hash them (``download_blob`` does). They
+        never add up to more than the Content-Length, which must be within ``max_blob_bytes``;
+        the transfer's deadline is the timeout plus that length at ``min_rate``.
         """
         digest = _digest(digest)
         url = f"/v1/blobs/{digest}"
-        try:
-            with self._http.stream("GET", url) as response:
-                if response.status_code != 200:
-                    raise self._error(response)
-                length = response.headers.get("content-length", "")
+        # Identity, so that Content-Length is the blob's size, which bounds what is written.
+        with self._stream("GET", url, headers={"Accept-Encoding": "identity"}) as (response, deadline):
+            raw_length = response.headers.get("content-length", "")
+            length = int(raw_length) if raw_length.isascii() and raw_length.isdigit() else None
+            if response.headers.get("content-encoding", "identity").lower() != "identity":
+                raise _malformed(
+                    self.url + url, f"the blob came {response.headers['content-encoding']}-encoded, not as its bytes"
+                )
+            if length is not None and length > self.limits.max_blob_bytes:
+                raise ResponseTooLargeError(
+                    f"{self.url}{url} announced a blob of {length} bytes, more than the limit of {self.limits.max_blob_bytes}",
+                    hint="raise --max-blob-bytes if the blob is really that large",
+                )
+            deadline.extend_to(self.limits.blob_seconds(length or 0))
+            cap = self.limits.max_blob_bytes if length is None else length
 
-                def chunks() -> Iterator[bytes]:
-                    try:
-                        yield from response.iter_bytes(CHUNK)
-                    except httpx.HTTPError as e:
-                        # Raised inside whatever consumes the chunks (maybe another registry's
-                        # upload): name this registry as the one that failed.
-                        raise RegistryUnavailableError(f"reading blob {digest} from {self.url} failed: {e}") from e
+            def chunks() -> Iterator[bytes]:
+                got = 0
+                try:
+                    for chunk in response.iter_bytes(CHUNK):
+                        got += len(chunk)
+                        if got > cap:
+                            raise ResponseTooLargeError(f"{self.url}{url} sent more than the {cap} bytes it announced")
+                        _check_deadline(self.url + url)
+                        yield chunk
+                except httpx.TimeoutException as e:
+                    raise RegistryUnavailableError(
+                        f"reading blob {digest} from {self.url} did not complete within its deadline of "
+                        f"{deadline.seconds:.0f} s ({e})",
+                        hint="the registry is too slow or stalls; retry, or raise --timeout or lower --min-rate",
+                    ) from e
+                except httpx.HTTPError as e:
+                    # Raised inside whatever consumes the chunks (maybe another registry's
+                    # upload): name this registry as the one that failed.
+                    raise RegistryUnavailableError(f"reading blob {digest} from {self.url} failed: {e}") from e
 
-                yield (int(length) if length.isdigit() else None), chunks()
-        except httpx.HTTPError as e:
-            raise RegistryUnavailableError(f"GET {self.url}{url} failed: {str(e) or type(e).__name__}") from e
+            yield length, chunks()
 
-    def download_blob(self, digest: str, dest: Path, *, progress: Progress | None = None) -> int:
+    def download_blob(
+        self, digest: str, dest: Path, *, progress: Progress | None = None, space_dir: Path | None = None
+    ) -> int:
         """Stream blob ``digest`` into the new file ``dest``, hashing as it goes; return its size.
 
         Raises ``BlobDigestError`` (and removes ``dest``) when the bytes hash to another digest.
+        The registry must announce the size (Content-Length); nothing past it is written, and a
+        blob that does not fit in the free space of ``dest``'s filesystem is refused before a
+        byte is written (``DiskFullError``, naming ``space_dir``, default ``dest.parent``).
         """
         digest = _digest(digest)
+        where = space_dir or dest.parent
         h = hashlib.sha256()
         size = 0
         # Created first and exclusively: on failure only a file this call made is removed.
         try:
             f = dest.open("xb")
         except OSError as e:
-            raise LocalFilesError(f"cannot create {dest}: {e.strerror}", hint="download into a new file") from e
+            raise local_write_error(e, dest, where) from e
         try:
-            with f, self.open_blob(digest) as (_, chunks):
-                for chunk in chunks:
-                    h.update(chunk)
-                    f.write(chunk)
-                    size += len(chunk)
-                    if progress is not None:
-                        progress.update(len(chunk))
-                f.flush()
-                os.fsync(f.fileno())
+            with f, self.open_blob(digest) as (length, chunks):
+                if length is None:
+                    raise _malformed(f"{self.url}/v1/blobs/{digest}", "the blob came without a Content-Length")
+                free = _free_bytes(dest.parent)
+                if free is not None and free < length:
+                    raise DiskFullError(f"blob {digest} needs {length} bytes in {where}, which has {free} bytes free")
+                try:
+                    for chunk in chunks:
+                        h.update(chunk)
+                        f.write(chunk)
+                        size += len(chunk)
+                        if progress is not None:
+                            progress.update(len(chunk))
+                    f.flush()
+                    os.fsync(f.fileno())
+                except OSError as e:
+                    raise local_write_error(e, dest, where, needed=length) from e
             got = "sha256:" + h.hexdigest()
             if got != digest:
                 raise BlobDigestError(f"{self.url} served {size} bytes for blob {digest} that hash to {got}")
@@ -473,48 +909,80 @@ class RegistryClient:
 
     def post_entry(self, envelope: bytes, *, token: str | None = None) -> tuple[dict[str, Any], bool]:
         """``POST /v1/entries`` with the envelope bytes as given; (document, created)."""
-        response = self._request(
-            "POST", "/v1/entries", expect=(200, 201), token=token, content=envelope,
+        status, doc = self._json(
+            "/v1/entries",
+            method="POST",
+            expect=(200, 201),
+            token=token,
+            content=envelope,
             headers={"Content-Type": "application/json"},
         )
-        try:
-            doc = response.json()
-        except ValueError as e:
-            raise _malformed(self.url + "/v1/entries", "the body is not JSON") from e
-        if not isinstance(doc, dict):
-            raise _malformed(self.url + "/v1/entries", "the body is not a JSON object")
-        return doc, response.status_code == 201
+        return doc, status == 201
 
     def entry(self, ref: int | str) -> dict[str, Any]:
         """``{"entry", "inclusion_proof", "checkpoint"}`` by log index or envelope digest."""
-        return self._json(f"/v1/entries/{ref}")
+        return self._get_json(f"/v1/entries/{ref}")
 
     def envelope(self, ref: int | str) -> bytes:
         """An entry's envelope bytes exactly as stored (unchecked: see ``hash_leaf``)."""
-        return self._request("GET", f"/v1/entries/{ref}/envelope").content
+        return self._request(
+            "GET", f"/v1/entries/{ref}/envelope", limit=self.limits.max_envelope_bytes, what="an envelope"
+        )[1]
 
     def artifact(self, digest: str) -> dict[str, Any]:
         """``GET /v1/artifacts/sha256:HEX``: the artifact by its tensors' digest."""
-        return self._json(f"/v1/artifacts/{_digest(digest, 'artifact digest')}")
+        return self._get_json(f"/v1/artifacts/{_digest(digest, 'artifact digest')}")
 
-    def _pages(self, path: str, params: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def _pages(self, path: str, params: dict[str, Any], *, below: int | None = None) -> Iterator[dict[str, Any]]:
+        """Every item of a paged listing, in log order, up to (not including) log index ``below``.
+
+        The listing must advance: each cursor new, each item's ``log_index`` larger than the
+        last, within ``max_pages`` pages and ``max_items`` items; else ``ListingError``.
+        """
+        url = self.url + path
         cursor: str | None = None
-        while True:
+        seen: set[str] = set()
+        last = -1
+        items_read = 0
+        for page_number in range(1, self.limits.max_pages + 1):
             query = {k: v for k, v in params.items() if v is not None} | {"limit": PAGE_LIMIT}
             if cursor is not None:
                 query["cursor"] = cursor
-            page = self._json(path, params=query)
-            items = _field(page, "items", list, "the page", self.url + path)
-            yield from items
-            cursor = page.get("next_cursor")
-            if cursor is None:
+            page = self._get_json(path, params=query)
+            items = _field(page, "items", list, "the page", url)
+            next_cursor = page.get("next_cursor")
+            if next_cursor is not None:
+                if not isinstance(next_cursor, str) or not items:
+                    raise _malformed(url, "next_cursor is not a string, or a page with a cursor is empty")
+                if next_cursor in seen or next_cursor == cursor:
+                    raise ListingError(
+                        f"{url} sent the cursor {next_cursor[:40]!r} again on page {page_number}: the listing would never end"
+                    )
+                seen.add(next_cursor)
+            for item in items:
+                index = _field(item, "log_index", int, "a listed item", url)
+                if index <= last:
+                    raise ListingError(
+                        f"{url} listed log index {index} after {last} on page {page_number}: a listing must advance in log order"
+                    )
+                last = index
+                if below is not None and index >= below:
+                    return
+                items_read += 1
+                if items_read > self.limits.max_items:
+                    raise ListingError(
+                        f"{url} listed more than {self.limits.max_items} items; stopped",
+                        hint="narrow the listing, or name the entries you want",
+                    )
+                yield item
+            if next_cursor is None:
                 return
-            if not isinstance(cursor, str) or not items:
-                raise _malformed(self.url + path, "next_cursor is not a string, or a page with a cursor is empty")
+            cursor = next_cursor
+        raise ListingError(f"{url} is still listing after {self.limits.max_pages} pages; stopped")
 
-    def iter_entries(self) -> Iterator[dict[str, Any]]:
-        """Every entry's metadata, in log order (``GET /v1/entries``, all pages)."""
-        return self._pages("/v1/entries", {})
+    def iter_entries(self, *, below: int | None = None) -> Iterator[dict[str, Any]]:
+        """Every entry's metadata, in log order (``GET /v1/entries``, all pages), up to log index ``below``."""
+        return self._pages("/v1/entries", {}, below=below)
 
     def list_artifacts(
         self,
@@ -526,13 +994,190 @@ class RegistryClient:
         q: str | None = None,
     ) -> Iterator[dict[str, Any]]:
         """Artifacts in log order, filtered as ``GET /v1/artifacts`` filters (all pages)."""
-        return self._pages("/v1/artifacts", {"model": model, "profile": profile, "parent": parent, "publisher": publisher, "q": q})
+        return self._pages(
+            "/v1/artifacts", {"model": model, "profile": profile, "parent": parent, "publisher": publisher, "q": q}
+        )
 
     def list_records(
         self, *, artifact: str | None = None, kind: str | None = None, publisher: str | None = None
     ) -> Iterator[dict[str, Any]]:
         """Records in log order, filtered as ``GET /v1/records`` filters (all pages)."""
         return self._pages("/v1/records", {"artifact": artifact, "type": kind, "publisher": publisher})
+
+
+# --- local disk --------------------------------------------------------------------------------
+
+
+def _free_bytes(directory: Path) -> int | None:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def local_write_error(
+    e: OSError, path: Path, directory: Path | None = None, *, needed: int | None = None
+) -> LocalFilesError:
+    """A one-line error for a failed local write: ``DiskFullError`` (naming ``directory``, the
+    space needed and the space free) for ENOSPC/EDQUOT, else ``LocalFilesError``."""
+    directory = directory or path.parent
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = _free_bytes(path.parent if path.parent.exists() else directory)
+        need = f"{needed} bytes are needed, " if needed is not None else ""
+        return DiskFullError(
+            f"no space left on the device of {directory} while writing {path.name}: {need}"
+            f"{free if free is not None else 'an unknown number of'} bytes are free; nothing was kept"
+        )
+    return LocalFilesError(f"cannot write {path}: {e.strerror or e}", hint="check that the directory is writable")
+
+
+# --- remembered checkpoints --------------------------------------------------------------------
+
+
+class _NoMemory:
+    """Pass ``memory=NO_MEMORY`` to ``RegistryClient`` to remember nothing (tests of the log itself)."""
+
+
+#: ``RegistryClient(memory=NO_MEMORY)``: no checkpoint is remembered or compared.
+NO_MEMORY = _NoMemory
+
+
+@dataclass(frozen=True)
+class RememberedHead:
+    """The newest checkpoint verified for one log, as stored in its memory file."""
+
+    head: Checkpoint
+    note: bytes
+    registry: str
+    verified_at: str
+    path: Path
+
+    def describe(self) -> str:
+        """One phrase: size, root and when and where it was verified."""
+        return (
+            f"tree size {self.head.size} with root {self.head.root_hash.hex()[:16]}, verified from {self.registry} "
+            f"at {self.verified_at} (remembered in {self.path})"
+        )
+
+
+class CheckpointMemory:
+    """The newest checkpoint this machine verified per log, one file per (key id, origin).
+
+    ``DIR/<keyid>.<sha256(origin)[:16]>.json`` holds ``{"format", "keyid", "origin",
+    "tree_size", "root_hash", "checkpoint" (the signed note), "registry", "verified_at"}``,
+    written atomically (temp file, fsync, rename) under an exclusive lock file beside it. The
+    note is re-verified with the registry key on every read, so a damaged file is an error,
+    never a silent reset. Invariant: the remembered tree size only grows, and only by a
+    verified RFC 9162 consistency proof.
+    """
+
+    FORMAT = "kvgraft-checkpoint-memory/v1"
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    @classmethod
+    def default(cls) -> CheckpointMemory:
+        """``$KVGRAFT_HOME/checkpoints``."""
+        return cls(kvgraft_home() / "checkpoints")
+
+    def path(self, keyid: str, origin: str) -> Path:
+        """The memory file of the log ``origin`` signed by key ``keyid``."""
+        return self.directory / f"{keyid}.{hashlib.sha256(origin.encode()).hexdigest()[:16]}.json"
+
+    @contextlib.contextmanager
+    def _locked(self, path: Path) -> Iterator[None]:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise CheckpointMemoryError(f"cannot open the checkpoint memory {path}: {e.strerror}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def load(self, key: RegistryKey, origin: str) -> RememberedHead | None:
+        """The remembered head of ``origin`` under ``key``, re-verified; None when there is none."""
+        path = self.path(key.keyid, origin)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise CheckpointMemoryError(f"cannot read the remembered checkpoint {path}: {e.strerror}") from e
+        try:
+            doc = json.loads(raw)
+            note = doc["checkpoint"].encode("utf-8")
+            head = verify_checkpoint(note, origin, key.public_key, origin=origin)
+            return RememberedHead(head, note, str(doc["registry"]), str(doc["verified_at"]), path)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, VerificationError) as e:
+            raise CheckpointMemoryError(
+                f"the remembered checkpoint {path} is damaged or not signed by {key.describe()}: {e}",
+            ) from e
+
+    def _save(self, key: RegistryKey, head: Checkpoint, note: bytes, registry: str) -> None:
+        path = self.path(key.keyid, head.origin)
+        doc = {
+            "format": self.FORMAT,
+            "keyid": key.keyid,
+            "origin": head.origin,
+            "tree_size": head.size,
+            "root_hash": head.root_hash.hex(),
+            "checkpoint": note.decode("utf-8"),
+            "registry": registry,
+            "verified_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        }
+        try:
+            write_atomic(path, json.dumps(doc, indent=2).encode() + b"\n", 0o644)
+        except OSError as e:
+            raise CheckpointMemoryError(f"cannot write the remembered checkpoint {path}: {e.strerror}") from e
+
+    def check(self, client: RegistryClient, key: RegistryKey, head: Checkpoint, note: bytes, *, latest: bool) -> None:
+        """Refuse ``head`` (verified with ``key``) unless it provably extends the remembered head,
+        or, when it is not ``latest``, is provably a prefix of it; remember it when newer.
+
+        A latest head smaller than the remembered one is a rollback; one of the same size with
+        another root is a split view; a larger one needs the registry's consistency proof from
+        the remembered size (``LogForkError`` otherwise).
+        """
+        path = self.path(key.keyid, head.origin)
+        with self._locked(path):
+            known = self.load(key, head.origin)
+            if known is None:
+                self._save(key, head, note, client.url)
+                return
+            old = known.head
+            if head.size == old.size:
+                if head.root_hash != old.root_hash:
+                    raise LogForkError(
+                        f"possible split view: {client.url} signed log {head.origin!r} at tree size {head.size} with root "
+                        f"{head.root_hash.hex()[:16]}, but this machine verified another root at that size: {known.describe()}"
+                    )
+                return
+            if head.size < old.size:
+                if latest:
+                    raise LogForkError(
+                        f"possible rollback: {client.url} says log {head.origin!r} is at tree size {head.size}, "
+                        f"but this machine verified {known.describe()}; the log lost entries or runs from an old copy"
+                    )
+                try:
+                    client.verify_extends(head, old)
+                except (EvidenceError, RegistryResponseError) as e:
+                    raise LogForkError(
+                        f"possible rollback or split view: {client.url} cannot prove that its tree at size {head.size} is a "
+                        f"prefix of the one this machine verified, {known.describe()}: {e.message}"
+                    ) from e
+                return
+            try:
+                client.verify_extends(old, head)
+            except (EvidenceError, RegistryResponseError) as e:
+                raise LogForkError(
+                    f"possible split view: {client.url}'s log {head.origin!r} at tree size {head.size} is not proved to "
+                    f"extend the one this machine verified, {known.describe()}: {e.message}"
+                ) from e
+            self._save(key, head, note, client.url)
 
 
 # --- the registry key --------------------------------------------------------------------------
@@ -573,7 +1218,10 @@ class RegistryKey:
     def to_json(self) -> dict[str, Any]:
         """The key's identity for ``--json`` output."""
         return {
-            "keyid": self.keyid, "origin": self.origin, "trust": self.trust, "source": self.source,
+            "keyid": self.keyid,
+            "origin": self.origin,
+            "trust": self.trust,
+            "source": self.source,
             "public_key_pem": public_key_pem(self.public_key).decode("ascii"),
         }
 
@@ -597,7 +1245,9 @@ def registry_key(client: RegistryClient, pem: Path | None) -> RegistryKey:
         try:
             return RegistryKey(load_public_key(pem), None, True, str(pem))
         except VerificationError as e:
-            raise LocalFilesError(f"--registry-key: {e.message}", hint="pass the registry's registry-key.pub.pem") from e
+            raise LocalFilesError(
+                f"--registry-key: {e.message}", hint="pass the registry's registry-key.pub.pem"
+            ) from e
     doc = client.log_key()
     url = client.url + "/v1/log/key"
     pem_text = _field(doc, "public_key_pem", str, "the log key", url)
@@ -610,16 +1260,19 @@ def registry_key(client: RegistryClient, pem: Path | None) -> RegistryKey:
 
 
 def _verify_entry_evidence(
-    url: str, envelope: bytes, entry: dict[str, Any], proof: Any, note: Any, key: RegistryKey
+    client: RegistryClient, url: str, envelope: bytes, entry: dict[str, Any], proof: Any, note: Any, key: RegistryKey
 ) -> tuple[int, Checkpoint]:
     """Check that ``envelope`` is ``entry``, and is its leaf in the signed checkpoint ``note``.
 
-    Returns (log index, checkpoint). Every registry claim is checked against the bytes.
+    Returns (log index, checkpoint). Every registry claim is checked against the bytes, and the
+    checkpoint against the one remembered for this log (``RegistryClient.remember``).
     """
     digest = _field(entry, "digest", str, "the entry", url)
     index = _field(entry, "log_index", int, "the entry", url)
     if _sha256(envelope) != digest:
-        raise EvidenceError(f"{url} says entry {index} has digest {digest}, but its envelope bytes hash to {_sha256(envelope)}")
+        raise EvidenceError(
+            f"{url} says entry {index} has digest {digest}, but its envelope bytes hash to {_sha256(envelope)}"
+        )
     leaf = hash_leaf(envelope)
     leaf_hex = entry.get("leaf_hash")
     if leaf_hex is not None and leaf_hex != leaf.hex():
@@ -628,7 +1281,10 @@ def _verify_entry_evidence(
         )
     if not isinstance(note, str):
         raise _malformed(url, "the checkpoint is not a string")
-    head = key.verify(note.encode("utf-8"), url)
+    note_bytes = note.encode("utf-8")
+    head = key.verify(note_bytes, url)
+    # Served beside an entry, it may be a moment old: a smaller size must be proved a prefix.
+    client.remember(key, head, note_bytes, latest=False)
     proof_index = _field(proof, "log_index", int, "the inclusion proof", url)
     proof_size = _field(proof, "tree_size", int, "the inclusion proof", url)
     hashes = _field(proof, "hashes", list, "the inclusion proof", url)
@@ -769,13 +1425,24 @@ class PublishResult:
     def to_json(self) -> dict[str, Any]:
         """A JSON object for ``--json`` output."""
         return {
-            "registry": self.registry, "directory": str(self.directory), "kind": self.kind,
-            "predicate_type": self.predicate_type, "artifact_digest": self.artifact_digest,
-            "log_index": self.log_index, "entry_digest": self.entry_digest, "tree_size": self.tree_size,
-            "root_hash": self.root_hash, "created": self.created,
-            "blobs": {"uploaded": list(self.uploaded), "uploaded_bytes": self.uploaded_bytes, "skipped": list(self.skipped)},
+            "registry": self.registry,
+            "directory": str(self.directory),
+            "kind": self.kind,
+            "predicate_type": self.predicate_type,
+            "artifact_digest": self.artifact_digest,
+            "log_index": self.log_index,
+            "entry_digest": self.entry_digest,
+            "tree_size": self.tree_size,
+            "root_hash": self.root_hash,
+            "created": self.created,
+            "blobs": {
+                "uploaded": list(self.uploaded),
+                "uploaded_bytes": self.uploaded_bytes,
+                "skipped": list(self.skipped),
+            },
             "registry_key": self.registry_key.to_json(),
-            "parents": [p.to_json() for p in self.parents], "notes": list(self.notes),
+            "parents": [p.to_json() for p in self.parents],
+            "notes": list(self.notes),
             "verified": ["leaf_hash", "inclusion", "checkpoint_signature"],
         }
 
@@ -813,7 +1480,9 @@ def _publish(
     parents: list[PublishResult] = []
     notes: list[str] = []
     if local.parent is not None:
-        parent_result, note = _ensure_parent(client, local, key, publish_parents=publish_parents, progress=progress, depth=depth)
+        parent_result, note = _ensure_parent(
+            client, local, key, publish_parents=publish_parents, progress=progress, depth=depth
+        )
         if parent_result is not None:
             parents += [*parent_result.parents, parent_result]
         if note:
@@ -841,12 +1510,26 @@ def _publish(
     doc, created = client.post_entry(local.envelope)
     url = client.url + "/v1/entries"
     entry = _field(doc, "entry", dict, "the answer", url)
-    index, head = _verify_entry_evidence(url, local.envelope, entry, doc.get("inclusion_proof"), doc.get("checkpoint"), key)
+    index, head = _verify_entry_evidence(
+        client, url, local.envelope, entry, doc.get("inclusion_proof"), doc.get("checkpoint"), key
+    )
     return PublishResult(
-        registry=client.url, directory=directory, kind=local.kind, predicate_type=local.statement.predicate_type,
-        artifact_digest=local.artifact_digest, log_index=index, entry_digest=_sha256(local.envelope),
-        tree_size=head.size, root_hash=head.root_hash.hex(), created=created, uploaded=tuple(d for d, _ in missing),
-        uploaded_bytes=uploaded_bytes, skipped=skipped, registry_key=key, parents=tuple(parents), notes=tuple(notes),
+        registry=client.url,
+        directory=directory,
+        kind=local.kind,
+        predicate_type=local.statement.predicate_type,
+        artifact_digest=local.artifact_digest,
+        log_index=index,
+        entry_digest=_sha256(local.envelope),
+        tree_size=head.size,
+        root_hash=head.root_hash.hex(),
+        created=created,
+        uploaded=tuple(d for d, _ in missing),
+        uploaded_bytes=uploaded_bytes,
+        skipped=skipped,
+        registry_key=key,
+        parents=tuple(parents),
+        notes=tuple(notes),
     )
 
 
@@ -935,11 +1618,21 @@ class PullResult:
     def to_json(self) -> dict[str, Any]:
         """A JSON object for ``--json`` output."""
         return {
-            "registry": self.registry, "directory": str(self.directory), "artifact_digest": self.artifact_digest,
-            "parent": self.parent, "positions": list(self.positions), "log_index": self.log_index, "entry_digest": self.entry_digest,
-            "tree_size": self.tree_size, "root_hash": self.root_hash, "files": list(self.files), "size": self.size,
-            "signature_checked": self.signature_checked, "signers": list(self.signers),
-            "registry_key": self.registry_key.to_json(), "parents": [p.to_json() for p in self.parents],
+            "registry": self.registry,
+            "directory": str(self.directory),
+            "artifact_digest": self.artifact_digest,
+            "parent": self.parent,
+            "positions": list(self.positions),
+            "log_index": self.log_index,
+            "entry_digest": self.entry_digest,
+            "tree_size": self.tree_size,
+            "root_hash": self.root_hash,
+            "files": list(self.files),
+            "size": self.size,
+            "signature_checked": self.signature_checked,
+            "signers": list(self.signers),
+            "registry_key": self.registry_key.to_json(),
+            "parents": [p.to_json() for p in self.parents],
             "verified": ["blob_digests", "subjects", "leaf_hash", "inclusion", "checkpoint_signature"]
             + (["envelope_signature"] if self.signature_checked else []),
         }
@@ -981,18 +1674,24 @@ def pull(
             target = out if not results else out.with_name(f"{out.name}.parent-{len(results)}")
             if target.exists() or target.is_symlink():
                 raise LocalFilesError(f"{target} already exists", hint="pull into a new directory")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            temps.append(Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.pull-")))
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                temps.append(Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.pull-")))
+            except OSError as e:
+                raise local_write_error(e, target, target.parent) from e
             result = _stage(client, current, temps[-1], target, key, trusted_keys, progress)
             if results:
                 _check_link(client.url, results[-1], result)
             results.append(result)
             current = result.parent if with_parents else None
         # Root first, so that a child never appears without its parents.
-        for tmp, result in zip(reversed(temps), reversed(results), strict=True):
-            os.rename(tmp, result.directory)
-            placed.append(result.directory)
-        _fsync_dir(out.parent)
+        try:
+            for tmp, result in zip(reversed(temps), reversed(results), strict=True):
+                os.rename(tmp, result.directory)
+                placed.append(result.directory)
+            _fsync_dir(out.parent)
+        except OSError as e:
+            raise local_write_error(e, out, out.parent) from e
     except BaseException:
         for tmp in temps:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -1027,7 +1726,9 @@ def _stage(
     entry = _field(doc, "entry", dict, "the artifact document", url)
     entry_digest = _field(entry, "digest", str, "the entry", url)
     envelope = client.envelope(_digest(entry_digest, "entry digest"))
-    index, head = _verify_entry_evidence(url, envelope, entry, doc.get("inclusion_proof"), doc.get("checkpoint"), key)
+    index, head = _verify_entry_evidence(
+        client, url, envelope, entry, doc.get("inclusion_proof"), doc.get("checkpoint"), key
+    )
 
     # The statement is read from the logged envelope bytes, never from the server's decoded copy.
     signers: tuple[str, ...] = ()
@@ -1037,15 +1738,21 @@ def _stage(
             verified, statement = verify_statement_envelope(parsed, trusted)
             signers = tuple(k.name for k in verified.signers)
         else:
-            statement = parse_statement(b64decode_any(parsed.payload, what="envelope payload"), what=f"statement of entry {index}")
+            statement = parse_statement(
+                b64decode_any(parsed.payload, what="envelope payload"), what=f"statement of entry {index}"
+            )
     except (UnknownKeyError, BadSignatureError, ThresholdNotMetError) as e:
-        raise EnvelopeSignatureError(f"artifact {digest} (entry {index} of {client.url}): {e.message}", hint=e.hint) from e
+        raise EnvelopeSignatureError(
+            f"artifact {digest} (entry {index} of {client.url}): {e.message}", hint=e.hint
+        ) from e
     except VerificationError as e:
         raise EvidenceError(f"the envelope of entry {index} of {client.url} is not usable: {e.message}") from e
     except SchemaError as e:
         raise EvidenceError(f"the statement of entry {index} of {client.url} is not valid: {e}") from e
     if not isinstance(statement, KvArtifactStatement):
-        raise EvidenceError(f"entry {index} of {client.url} is a {statement.predicate_type} statement, not a KV artifact")
+        raise EvidenceError(
+            f"entry {index} of {client.url} is a {statement.predicate_type} statement, not a KV artifact"
+        )
     subjects = {s.name: "sha256:" + s.digest.sha256 for s in statement.subject}
     if subjects.get(KV_FILE) != digest:
         raise EvidenceError(
@@ -1060,15 +1767,18 @@ def _stage(
         for name, subject_digest in subjects.items():
             path = _safe_path(tmp, name, f"entry {index}")
             path.parent.mkdir(parents=True, exist_ok=True)
-            size += client.download_blob(subject_digest, path, progress=bar)
+            size += client.download_blob(subject_digest, path, progress=bar, space_dir=target.parent)
             files.append(name)
     envelope_path = tmp / STATEMENT_FILE
     if STATEMENT_FILE in subjects:
         raise EvidenceError(f"entry {index} names a subject {STATEMENT_FILE}, which would overwrite the envelope")
-    with envelope_path.open("xb") as f:
-        f.write(envelope)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with envelope_path.open("xb") as f:
+            f.write(envelope)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise local_write_error(e, envelope_path, target.parent, needed=len(envelope)) from e
     try:
         verify_subjects(statement, tmp, exclude=[envelope_path])
     except VerificationError as e:
@@ -1076,9 +1786,19 @@ def _stage(
     _fsync_dir(tmp)
     p = statement.predicate
     return PullResult(
-        registry=client.url, directory=target, artifact_digest=digest, parent=str(p.parent) if p.parent else None,
-        log_index=index, entry_digest=entry_digest, tree_size=head.size, root_hash=head.root_hash.hex(),
-        files=tuple(sorted(files)), size=size, signers=signers, signature_checked=trusted is not None, registry_key=key,
+        registry=client.url,
+        directory=target,
+        artifact_digest=digest,
+        parent=str(p.parent) if p.parent else None,
+        log_index=index,
+        entry_digest=entry_digest,
+        tree_size=head.size,
+        root_hash=head.root_hash.hex(),
+        files=tuple(sorted(files)),
+        size=size,
+        signers=signers,
+        signature_checked=trusted is not None,
+        registry_key=key,
         positions=(p.positions.start, p.positions.end),
     )
 
@@ -1112,12 +1832,21 @@ class MirrorResult:
     def to_json(self) -> dict[str, Any]:
         """A JSON object for ``--json`` output."""
         return {
-            "source": self.source, "target": self.target, "start_size": self.start_size, "copied_size": self.copied_size,
-            "copied_entries": self.copied_entries, "blobs_copied": list(self.blobs_copied), "blobs_skipped": self.blobs_skipped,
-            "bytes_copied": self.bytes_copied, "source_root": self.source_root,
-            "target_root_at_copied": self.target_root_at_copied, "target_size": self.target_size,
-            "target_root": self.target_root, "source_key": self.source_key.to_json(),
-            "target_key": self.target_key.to_json(), "notes": list(self.notes),
+            "source": self.source,
+            "target": self.target,
+            "start_size": self.start_size,
+            "copied_size": self.copied_size,
+            "copied_entries": self.copied_entries,
+            "blobs_copied": list(self.blobs_copied),
+            "blobs_skipped": self.blobs_skipped,
+            "bytes_copied": self.bytes_copied,
+            "source_root": self.source_root,
+            "target_root_at_copied": self.target_root_at_copied,
+            "target_size": self.target_size,
+            "target_root": self.target_root,
+            "source_key": self.source_key.to_json(),
+            "target_key": self.target_key.to_json(),
+            "notes": list(self.notes),
             "verified": ["source_checkpoint", "target_checkpoints", "roots_equal_at_copied_size", "consistency"],
         }
 
@@ -1151,17 +1880,15 @@ def mirror(
     """
     source_key = registry_key(source, source_key_file)
     target_key = registry_key(target, target_key_file)
-    source_head = source_key.verify(source.checkpoint(), source.url)
-    target_head = target_key.verify(target.checkpoint(), target.url)
+    source_head, _ = source.signed_head(source_key)
+    target_head, _ = target.signed_head(target_key)
     n = source_head.size
     start = target_head.size
     common = min(n, start)
     if common:
         # The target must hold exactly the source's first entries, else copying would misplace them.
-        source_common = source_key.verify(source.checkpoint(common), source.url)
-        target_common = target_key.verify(target.checkpoint(common), target.url)
-        if source_common.size != common or target_common.size != common:
-            raise EvidenceError(f"asked for checkpoints at size {common}, got sizes {source_common.size} and {target_common.size}")
+        source_common, _ = source.signed_head(source_key, common)
+        target_common, _ = target.signed_head(target_key, common)
         if source_common.root_hash != target_common.root_hash:
             raise MirrorDivergedError(
                 f"the first {common} entries of {target.url} are not those of {source.url} "
@@ -1177,7 +1904,7 @@ def mirror(
     bytes_copied = 0
     present: set[str] = set()
     tokens: list[str | None] = [None, *extra_tokens]
-    entries = source.iter_entries() if start < n else iter(())
+    entries = source.iter_entries(below=n) if start < n else iter(())
     with _progress(progress, max(n - start, 0), f"mirror {source.url} -> {target.url}", unit="entry") as bar:
         # Metadata is listed from the start (the API's cursors are opaque); only entries from
         # the target's size on are copied.
@@ -1209,13 +1936,13 @@ def mirror(
             copied += 1
             bar.update(1)
     if start + copied < n:
-        raise EvidenceError(f"{source.url} listed entries only up to {start + copied - 1}, but its checkpoint is at size {n}")
+        raise EvidenceError(
+            f"{source.url} listed entries only up to {start + copied - 1}, but its checkpoint is at size {n}"
+        )
 
     # The proof, from signed checkpoints only.
-    final = target_key.verify(target.checkpoint(), target.url)
-    at_n = target_key.verify(target.checkpoint(n), target.url)
-    if at_n.size != n:
-        raise EvidenceError(f"{target.url} answered for its checkpoint at size {n} with size {at_n.size}")
+    final, _ = target.signed_head(target_key)
+    at_n, _ = target.signed_head(target_key, n)
     if at_n.root_hash != source_head.root_hash:
         raise MirrorDivergedError(
             f"after copying, {target.url} at size {n} has root {at_n.root_hash.hex()}, "
@@ -1223,21 +1950,35 @@ def mirror(
         )
     proof = target.consistency_proof(n, final.size)
     purl = target.url + "/v1/log/proof/consistency"
-    if _field(proof, "old_size", int, "the consistency proof", purl) != n or _field(
-        proof, "new_size", int, "the consistency proof", purl
-    ) != final.size:
+    if (
+        _field(proof, "old_size", int, "the consistency proof", purl) != n
+        or _field(proof, "new_size", int, "the consistency proof", purl) != final.size
+    ):
         raise EvidenceError(f"{purl}: the proof is not from size {n} to size {final.size}")
     hashes = _field(proof, "hashes", list, "the consistency proof", purl)
     try:
         path = [bytes.fromhex(h) if isinstance(h, str) and len(h) == 64 and set(h) <= _HEX64 else b"" for h in hashes]
         verify_consistency(n, final.size, source_head.root_hash, final.root_hash, path)
     except VerificationError as e:
-        raise EvidenceError(f"{target.url}'s log at size {final.size} is not proved to extend the source's at size {n}: {e.message}") from e
+        raise EvidenceError(
+            f"{target.url}'s log at size {final.size} is not proved to extend the source's at size {n}: {e.message}"
+        ) from e
     return MirrorResult(
-        source=source.url, target=target.url, start_size=start, copied_size=n, copied_entries=copied,
-        blobs_copied=tuple(blobs_copied), blobs_skipped=blobs_skipped, bytes_copied=bytes_copied,
-        source_root=source_head.root_hash.hex(), target_root_at_copied=at_n.root_hash.hex(), target_size=final.size,
-        target_root=final.root_hash.hex(), source_key=source_key, target_key=target_key, notes=tuple(notes),
+        source=source.url,
+        target=target.url,
+        start_size=start,
+        copied_size=n,
+        copied_entries=copied,
+        blobs_copied=tuple(blobs_copied),
+        blobs_skipped=blobs_skipped,
+        bytes_copied=bytes_copied,
+        source_root=source_head.root_hash.hex(),
+        target_root_at_copied=at_n.root_hash.hex(),
+        target_size=final.size,
+        target_root=final.root_hash.hex(),
+        source_key=source_key,
+        target_key=target_key,
+        notes=tuple(notes),
     )
 
 
@@ -1247,7 +1988,9 @@ def _source_envelope(source: RegistryClient, item: dict[str, Any], index: int) -
     leaf = _field(item, "leaf_hash", str, f"entry {index}", source.url + "/v1/entries")
     envelope = source.envelope(index)
     if _sha256(envelope) != digest or hash_leaf(envelope).hex() != leaf:
-        raise EvidenceError(f"{url}: the envelope bytes hash to {_sha256(envelope)}, not the entry's digest {digest} and leaf")
+        raise EvidenceError(
+            f"{url}: the envelope bytes hash to {_sha256(envelope)}, not the entry's digest {digest} and leaf"
+        )
     return envelope
 
 
@@ -1281,14 +2024,18 @@ def _copy_blob(source: RegistryClient, target: RegistryClient, digest: str) -> i
         except RegistryResponseError as e:
             got = "sha256:" + h.hexdigest()
             if got != digest:
-                raise BlobDigestError(f"{source.url} served {sent} bytes for blob {digest} that hash to {got}; the target kept nothing") from e
+                raise BlobDigestError(
+                    f"{source.url} served {sent} bytes for blob {digest} that hash to {got}; the target kept nothing"
+                ) from e
             raise
     if "sha256:" + h.hexdigest() != digest:
         raise BlobDigestError(f"{source.url} served bytes for blob {digest} that hash to sha256:{h.hexdigest()}")
     return sent
 
 
-def _post_with_tokens(target: RegistryClient, envelope: bytes, tokens: Sequence[str | None], index: int) -> dict[str, Any]:
+def _post_with_tokens(
+    target: RegistryClient, envelope: bytes, tokens: Sequence[str | None], index: int
+) -> dict[str, Any]:
     for i, token in enumerate(tokens):
         try:
             doc, _ = target.post_entry(envelope, token=token)
@@ -1301,8 +2048,8 @@ def _post_with_tokens(target: RegistryClient, envelope: bytes, tokens: Sequence[
                     f"{target.url} refused source entry {index}: {e.problem.get('detail', e.message)}",
                     hint="on the target, bind a token to the source publisher's key (kvgraft token create --data DIR "
                     "--publisher NAME --key PUB.pem) and pass it with --token (repeat --token, one per publisher)",
-                    status=e.status, problem=e.problem,
+                    status=e.status,
+                    problem=e.problem,
                 ) from e
             raise
     raise RegistryClientError("no token to publish with", hint="pass --token")  # unreachable: tokens has one entry
-

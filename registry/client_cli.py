@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvgraft.schemas import KvgraftError
+
 if TYPE_CHECKING:
     from .client import MirrorResult, PublishResult, PullResult, RegistryClient
 
@@ -23,7 +25,7 @@ TOKEN_ENV = "KVGRAFT_TOKEN"
 Command = Callable[[argparse.Namespace], dict[str, Any]]
 
 
-class ClientCommandError(Exception):
+class ClientCommandError(KvgraftError):
     """A client command failed outside ``kvgraft`` (no ``CliError`` to report it as)."""
 
 
@@ -32,7 +34,7 @@ def _fail(message: str, hint: str) -> BaseException:
     try:
         from kvgraft.cli import CliError
     except ImportError:
-        return ClientCommandError(f"{message} (hint: {hint})")
+        return ClientCommandError(message, hint=hint)
     return CliError(message, hint=hint)
 
 
@@ -46,6 +48,13 @@ def _guarded(command: Command) -> Command:
             return command(args)
         except client.RegistryClientError as e:
             raise _fail(f"{type(e).__name__}: {e.message}", e.hint) from e
+        except (MemoryError, RecursionError) as e:
+            # The client bounds what it reads (ClientLimits), but the machine may still have less
+            # memory than a limit allows: one line, like every other failure.
+            raise _fail(
+                f"{type(e).__name__}: the command ran out of {'memory' if isinstance(e, MemoryError) else 'stack'}",
+                "lower --max-json-bytes, or run where more memory is free",
+            ) from e
 
     return run
 
@@ -57,10 +66,16 @@ def _token(args: argparse.Namespace, required: bool) -> str | None:
     return token
 
 
-def _client(url: str, token: str | None, timeout: float) -> RegistryClient:
-    from .client import RegistryClient
+def _client(args: argparse.Namespace, url: str, token: str | None) -> RegistryClient:
+    from .client import ClientLimits, RegistryClient
 
-    return RegistryClient(url, token=token, timeout=timeout)
+    limits = ClientLimits(
+        timeout=args.timeout,
+        max_json_bytes=args.max_json_bytes,
+        max_blob_bytes=args.max_blob_bytes,
+        min_rate=args.min_rate,
+    )
+    return RegistryClient(url, token=token, limits=limits)
 
 
 # --- publish -----------------------------------------------------------------------------------
@@ -81,9 +96,12 @@ def _publish_lines(r: PublishResult) -> list[str]:
 def _cmd_publish(args: argparse.Namespace) -> dict[str, Any]:
     from .client import publish
 
-    with _client(args.registry, _token(args, True), args.timeout) as c:
+    with _client(args, args.registry, _token(args, True)) as c:
         r = publish(
-            c, args.directory, registry_key_file=args.registry_key, publish_parents=not args.no_parents,
+            c,
+            args.directory,
+            registry_key_file=args.registry_key,
+            publish_parents=not args.no_parents,
             progress=not args.json,
         )
     lines = []
@@ -115,10 +133,15 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
         from kvgraft.verifier import load_trusted_keys
 
         trusted = load_trusted_keys(args.trusted_keys)
-    with _client(args.registry, _token(args, False), args.timeout) as c:
+    with _client(args, args.registry, _token(args, False)) as c:
         r = pull(
-            c, args.digest, args.out, trusted_keys=trusted, registry_key_file=args.registry_key,
-            with_parents=args.with_parents, progress=not args.json,
+            c,
+            args.digest,
+            args.out,
+            trusted_keys=trusted,
+            registry_key_file=args.registry_key,
+            with_parents=args.with_parents,
+            progress=not args.json,
         )
     lines = [_pull_line(r)] + [f"  parent: {_pull_line(p)}" for p in r.parents]
     lines.append(
@@ -140,10 +163,14 @@ def _cmd_mirror(args: argparse.Namespace) -> dict[str, Any]:
         tokens = [os.environ[TOKEN_ENV]]
     if not tokens:
         raise _fail("mirror needs a token for the target registry", f"pass --token T, or export {TOKEN_ENV}=T")
-    with _client(args.source, args.from_token, args.timeout) as src, _client(args.target, tokens[0], args.timeout) as dst:
+    with _client(args, args.source, args.from_token) as src, _client(args, args.target, tokens[0]) as dst:
         r = mirror(
-            src, dst, source_key_file=args.registry_key_from, target_key_file=args.registry_key_to,
-            extra_tokens=tokens[1:], progress=not args.json,
+            src,
+            dst,
+            source_key_file=args.registry_key_from,
+            target_key_file=args.registry_key_to,
+            extra_tokens=tokens[1:],
+            progress=not args.json,
         )
     return {**r.to_json(), "summary": _mirror_summary(r)}
 
@@ -171,41 +198,105 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     Each sets ``run(args) -> dict`` with a ``summary``, as the other ``kvgraft`` commands do.
     """
 
+    # The defaults are the client's own (kvgraft.registry.client.ClientLimits); repeated here
+    # because importing the client would import httpx before any command runs.
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds to wait for each read or write (default 60)")
+        p.add_argument(
+            "--timeout",
+            type=float,
+            default=60.0,
+            metavar="S",
+            help="seconds one request may take in all, connect to last byte (default 60); a blob gets S plus its size at --min-rate",
+        )
+        p.add_argument(
+            "--max-json-bytes",
+            type=int,
+            default=64 << 20,
+            metavar="N",
+            help="refuse a JSON answer larger than N bytes (default 64 MiB)",
+        )
+        p.add_argument(
+            "--max-blob-bytes",
+            type=int,
+            default=64 << 30,
+            metavar="N",
+            help="refuse a blob larger than N bytes before reading it (default 64 GiB)",
+        )
+        p.add_argument(
+            "--min-rate",
+            type=int,
+            default=1 << 20,
+            metavar="B",
+            help="bytes per second a blob transfer must average (default 1 MiB/s)",
+        )
 
     pub = sub.add_parser(
         "publish", help="upload an artifact or record directory to a registry (blobs it lacks, then the envelope)"
     )
     pub.add_argument("--registry", required=True, metavar="URL", help="the registry, e.g. http://127.0.0.1:8000")
     pub.add_argument("--token", metavar="T", help=f"a publishing token (default: ${TOKEN_ENV})")
-    pub.add_argument("--registry-key", type=Path, metavar="PEM", help="the registry's public key (default: fetch it; trust on first use)")
-    pub.add_argument("--no-parents", action="store_true", help="fail instead of publishing a missing parent found locally")
-    pub.add_argument("directory", type=Path, metavar="DIR", help="kv.safetensors + statement.dsse.json, or record.dsse.json + its files")
+    pub.add_argument(
+        "--registry-key",
+        type=Path,
+        metavar="PEM",
+        help="the registry's public key (default: fetch it; trust on first use)",
+    )
+    pub.add_argument(
+        "--no-parents", action="store_true", help="fail instead of publishing a missing parent found locally"
+    )
+    pub.add_argument(
+        "directory",
+        type=Path,
+        metavar="DIR",
+        help="kv.safetensors + statement.dsse.json, or record.dsse.json + its files",
+    )
     common(pub)
     pub.set_defaults(run=_guarded(_cmd_publish))
 
-    pl = sub.add_parser("pull", help="download an artifact, verify digests, signature and log inclusion, then write DIR")
+    pl = sub.add_parser(
+        "pull", help="download an artifact, verify digests, signature and log inclusion, then write DIR"
+    )
     pl.add_argument("--registry", required=True, metavar="URL", help="the registry, e.g. http://127.0.0.1:8000")
-    pl.add_argument("--out", type=Path, required=True, metavar="DIR", help="the artifact directory to create (must not exist)")
-    pl.add_argument("--trusted-keys", type=Path, metavar="FILE", help="check the envelope's signature against these keys")
-    pl.add_argument("--registry-key", type=Path, metavar="PEM", help="the registry's public key (default: fetch it; trust on first use)")
-    pl.add_argument("--with-parents", action="store_true", help="pull the parent chain too, into DIR.parent-1, DIR.parent-2, ...")
-    pl.add_argument("--token", metavar="T", help=f"a token, for registries whose reads need one (default: ${TOKEN_ENV})")
+    pl.add_argument(
+        "--out", type=Path, required=True, metavar="DIR", help="the artifact directory to create (must not exist)"
+    )
+    pl.add_argument(
+        "--trusted-keys", type=Path, metavar="FILE", help="check the envelope's signature against these keys"
+    )
+    pl.add_argument(
+        "--registry-key",
+        type=Path,
+        metavar="PEM",
+        help="the registry's public key (default: fetch it; trust on first use)",
+    )
+    pl.add_argument(
+        "--with-parents", action="store_true", help="pull the parent chain too, into DIR.parent-1, DIR.parent-2, ..."
+    )
+    pl.add_argument(
+        "--token", metavar="T", help=f"a token, for registries whose reads need one (default: ${TOKEN_ENV})"
+    )
     pl.add_argument("digest", metavar="sha256:HEX", help="the artifact's kv.safetensors digest")
     common(pl)
     pl.set_defaults(run=_guarded(_cmd_pull))
 
-    mi = sub.add_parser("mirror", help="copy every entry and blob of one registry into another, in log order, and prove it")
+    mi = sub.add_parser(
+        "mirror", help="copy every entry and blob of one registry into another, in log order, and prove it"
+    )
     mi.add_argument("--from", dest="source", required=True, metavar="URL", help="the source registry")
     mi.add_argument("--to", dest="target", required=True, metavar="URL", help="the target registry")
     mi.add_argument(
-        "--token", action="append", metavar="T",
+        "--token",
+        action="append",
+        metavar="T",
         help=f"a token on the target bound to the source publishers' keys; repeat for one per publisher (default: ${TOKEN_ENV})",
     )
     mi.add_argument("--from-token", metavar="T", help="a token for the source, if its reads need one")
-    mi.add_argument("--registry-key-from", type=Path, metavar="PEM", help="the source's registry key (default: trust on first use)")
-    mi.add_argument("--registry-key-to", type=Path, metavar="PEM", help="the target's registry key (default: trust on first use)")
+    mi.add_argument(
+        "--registry-key-from", type=Path, metavar="PEM", help="the source's registry key (default: trust on first use)"
+    )
+    mi.add_argument(
+        "--registry-key-to", type=Path, metavar="PEM", help="the target's registry key (default: trust on first use)"
+    )
     common(mi)
     mi.set_defaults(run=_guarded(_cmd_mirror))
 

@@ -5,7 +5,9 @@ from a registry (docs/records.md, "Audit").
 inclusion proof (``log.json``) of its exact bytes at that checkpoint's size. ``fetch_report``
 pulls entries back into the layout ``kvgraft-verify audit`` reads: every blob hashed while it
 streams, every envelope checked against the digest the log holds, nothing visible until the
-folder is complete.
+folder is complete. The registry's sizes are bounded as for every client command (the
+client's ``ClientLimits``), a full disk is one ``DiskFullError`` with nothing left behind, and
+the checkpoint is checked against the one remembered for the log (``CheckpointMemory``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from .client import (
     RegistryResponseError,
     _safe_path,
     _statement_of,
+    local_write_error,
     public_key_pem,
 )
 
@@ -87,8 +90,7 @@ class Proven:
 def write_log_proofs(client: RegistryClient, key: RegistryKey, directories: Iterable[Path], checkpoint_out: Path) -> Proven:
     """Write ``log.json`` (inclusion at one signed checkpoint) into each directory, and the
     checkpoint itself to ``checkpoint_out``; the checkpoint's signature is checked first."""
-    note = client.checkpoint()
-    head = key.verify(note, client.url + "/v1/log/checkpoint")
+    head, note = client.signed_head(key)
     indexes: dict[Path, int] = {}
     for directory in directories:
         envelope = _envelope_file(directory).read_bytes()
@@ -111,8 +113,11 @@ def fetch_report(client: RegistryClient, key: RegistryKey, refs: Iterable[str], 
     """
     if out.exists():
         raise LocalFilesError(f"{out} already exists", hint="fetch a report into a new directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    except OSError as e:
+        raise local_write_error(e, out, out.parent) from e
     made: dict[str, list[str]] = {}
     try:
         dirs = []
@@ -132,13 +137,16 @@ def fetch_report(client: RegistryClient, key: RegistryKey, refs: Iterable[str], 
             for s in statement.subject:
                 dest = _safe_path(directory, s.name, f"entry {ref}")
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                client.download_blob("sha256:" + s.digest.sha256, dest)
+                client.download_blob("sha256:" + s.digest.sha256, dest, space_dir=out.parent)
             dirs.append(directory)
             made.setdefault(folder, []).append(str(directory.relative_to(tmp)))
         write_log_proofs(client, key, dirs, tmp / CHECKPOINT_FILE)
         # The key the checkpoint was just verified with (pinned, or trusted on first use).
         _write(tmp / REGISTRY_KEY_FILE, public_key_pem(key.public_key))
         os.replace(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise local_write_error(e, out, out.parent) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -28,7 +28,7 @@ from ._internal.documents import (
     write_json_schemas,
 )
 from ._internal.dsse import IN_TOTO_PAYLOAD_TYPE, Envelope, Signature
-from ._internal.errors import CanonicalizationError, DocumentError, InvalidDigestError, SchemaError
+from ._internal.errors import CanonicalizationError, DocumentError, InvalidDigestError, KvgraftError, SchemaError
 from ._internal.predicates import (
     KV_ARTIFACT_PREDICATE,
     DeterminismProfile,
@@ -68,7 +68,7 @@ __all__ = [
     "DocumentError", "EVALUATION_PREDICATE", "EXACTNESS_PREDICATE", "Envelope",
     "EvaluationAggregates", "EvaluationItem", "EvaluationPredicate", "EvaluationStatement",
     "ExactnessLevel", "ExactnessPredicate", "ExactnessSample", "ExactnessStatement",
-    "ExactnessSummary", "HexDigestField", "IN_TOTO_PAYLOAD_TYPE", "InvalidDigestError",
+    "ExactnessSummary", "HexDigestField", "IN_TOTO_PAYLOAD_TYPE", "InvalidDigestError", "KvgraftError",
     "KV_ARTIFACT_PREDICATE", "KvArtifactPredicate", "KvArtifactStatement", "LogitsFiles",
     "ModelRef", "PRE_REGISTRATION_PREDICATE", "PositionRange", "PreRegistrationPredicate",
     "PreRegistrationRef", "PreRegistrationStatement", "REPLAY_PREDICATE", "ReplayPredicate",

@@ -93,12 +93,28 @@ if g["logits_sha256"] != f["logits_sha256"]:
     sys.exit("demo FAILED: graft and fresh logits differ")
 print("equal: the grafted state continues exactly as a fresh computation does")
 PY
-show "$BIN/kvgraft" generate --artifact "$OUT/kv-artifact" --text-file "$OUT/question.txt" --max-new-tokens 24
+show "$BIN/kvgraft" generate --artifact "$OUT/kv-artifact" --text-file "$OUT/question.txt" --max-new-tokens 24 \
+  --trusted-keys "$OUT/trusted-keys.json"
 
 step "9. Tamper with one byte of the KV tensors: the graft is refused before the model runs"
 cp -r "$OUT/kv-artifact" "$OUT/kv-tampered"
 printf 'X' | dd of="$OUT/kv-tampered/kv.safetensors" bs=1 seek=4096 conv=notrunc status=none
-refused "$BIN/kvgraft" graft --artifact "$OUT/kv-tampered" --text-file "$OUT/question.txt"
+refused "$BIN/kvgraft" graft --artifact "$OUT/kv-tampered" --text-file "$OUT/question.txt" \
+  --trusted-keys "$OUT/trusted-keys.json"
+
+step "9b. A signature of 64 zero bytes, or no trusted keys at all: the graft is refused (verify-before-load is the default)"
+cp -r "$OUT/kv-artifact" "$OUT/kv-zero-signature"
+"$BIN/python" - "$OUT/kv-zero-signature/statement.dsse.json" <<'PY'
+import base64, json, sys
+path = sys.argv[1]
+env = json.load(open(path))
+env["signatures"][0]["sig"] = base64.b64encode(bytes(64)).decode()
+json.dump(env, open(path, "w"), indent=2)
+PY
+refused "$BIN/kvgraft" graft --artifact "$OUT/kv-zero-signature" --text-file "$OUT/question.txt" \
+  --trusted-keys "$OUT/trusted-keys.json"
+refused env -u KVGRAFT_TRUSTED_KEYS KVGRAFT_HOME="$OUT/empty-home" "$BIN/kvgraft" graft --artifact "$OUT/kv-artifact" \
+  --text-file "$OUT/question.txt"
 
 step "10. Start a registry (DuckDB file + local blob store) on 127.0.0.1 and publish the artifact"
 PORT=$("$BIN/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -157,11 +173,13 @@ step "14. Recurring case: deposit 5 AIME 2025 problems (answers checked by the g
 # AIME ships no worked solutions: the library stores the key's answer as the verified solution.
 show "$BIN/kvgraft" library deposit --model smollm2-135m --dataset "$AIME" --limit 5 --solutions-from-key \
   --library "$OUT/lib-aime" --key "$OUT/alice.pem" "${PIN[@]}"
-show "$BIN/kvgraft" ask --library "$OUT/lib-aime" --question "$("$BIN/python" -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["prompt"])' "$AIME")"
+show "$BIN/kvgraft" ask --library "$OUT/lib-aime" --trusted-keys "$OUT/trusted-keys.json" \
+  --question "$("$BIN/python" -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["prompt"])' "$AIME")"
 
 step "15. Recurring case: the base model (48-token budget per problem) vs answers from the library"
 show "$BIN/kvgraft" eval --model smollm2-135m --dataset "$AIME" --limit 5 --max-new-tokens 48 --out "$OUT/eval-aime-base" --key "$OUT/alice.pem"
-show "$BIN/kvgraft" eval --model smollm2-135m --dataset "$AIME" --limit 5 --library "$OUT/lib-aime" --out "$OUT/eval-aime-library" --key "$OUT/alice.pem"
+show "$BIN/kvgraft" eval --model smollm2-135m --dataset "$AIME" --limit 5 --library "$OUT/lib-aime" --out "$OUT/eval-aime-library" --key "$OUT/alice.pem" \
+  --trusted-keys "$OUT/trusted-keys.json"
 show "$BIN/kvgraft-verify" eval "$OUT/eval-aime-library" --dataset "$AIME" --trusted-keys "$OUT/trusted-keys.json"
 
 step "16. Held-out transfer: a library of 8 GSM8K train solutions; 4 test problems (seed 2025), base vs grafted example"
@@ -169,7 +187,7 @@ show "$BIN/kvgraft" library deposit --model smollm2-135m --dataset "$GSM_TRAIN" 
   --library "$OUT/lib-gsm8k" --key "$OUT/alice.pem" "${PIN[@]}"
 show "$BIN/kvgraft" eval --model smollm2-135m --dataset "$GSM_TEST" --limit 4 --seed 2025 --max-new-tokens 64 --out "$OUT/eval-gsm8k-base" --key "$OUT/alice.pem"
 show "$BIN/kvgraft" eval --model smollm2-135m --dataset "$GSM_TEST" --limit 4 --seed 2025 --max-new-tokens 64 \
-  --library "$OUT/lib-gsm8k" --out "$OUT/eval-gsm8k-library" --key "$OUT/alice.pem"
+  --library "$OUT/lib-gsm8k" --out "$OUT/eval-gsm8k-library" --key "$OUT/alice.pem" --trusted-keys "$OUT/trusted-keys.json"
 for rec in eval-aime-base eval-aime-library eval-gsm8k-base eval-gsm8k-library; do
   "$BIN/kvgraft" publish "${PIN[@]}" "$OUT/$rec" | head -1
 done
@@ -177,7 +195,8 @@ done
 step "17. Pre-registered replay: log what the replay must reproduce, then rerun it in a fresh process"
 show "$BIN/kvgraft" prereg --eval "$OUT/eval-aime-library" --dataset "$AIME" --library "$OUT/lib-aime" \
   --out "$OUT/prereg" --key "$OUT/alice.pem" "${PIN[@]}"
-show "$BIN/kvgraft" replay --pre-registration "$OUT/prereg" --out "$OUT/replay" --key "$OUT/alice.pem" "${PIN[@]}"
+show "$BIN/kvgraft" replay --pre-registration "$OUT/prereg" --out "$OUT/replay" --key "$OUT/alice.pem" "${PIN[@]}" \
+  --trusted-keys "$OUT/trusted-keys.json"
 show "$BIN/kvgraft-verify" replay "$OUT/replay" --pre-registration "$OUT/prereg" --trusted-keys "$OUT/trusted-keys.json" \
   --checkpoint "$OUT/replay.checkpoint.txt" --registry-key "$OUT/registry/registry-key.pub.pem"
 

@@ -4,10 +4,22 @@ The registry renders these pages (``kvgraft.registry``'s UI routes); this packag
 plain values into escaped HTML and SVG.
 """
 
-from ._internal.render import STATIC_DIR, TEMPLATES_DIR, environment, figure, number, percent, render_page, short_digest
+from ._internal.render import (
+    STATIC_DIR,
+    TEMPLATES_DIR,
+    environment,
+    figure,
+    number,
+    percent,
+    render_page,
+    short_digest,
+    visible,
+)
+from ._internal.shell import REGISTRY_VARIABLE, command, shell_word, url_word
 from ._internal.svg import LineageNode, PlotSeries, kl_plot_svg, lineage_svg
 
 __all__ = [
-    "STATIC_DIR", "TEMPLATES_DIR", "LineageNode", "PlotSeries", "environment", "figure", "kl_plot_svg",
-    "lineage_svg", "number", "percent", "render_page", "short_digest",
+    "REGISTRY_VARIABLE", "STATIC_DIR", "TEMPLATES_DIR", "LineageNode", "PlotSeries", "command", "environment",
+    "figure", "kl_plot_svg", "lineage_svg", "number", "percent", "render_page", "shell_word", "short_digest",
+    "url_word", "visible",
 ]

@@ -2,9 +2,12 @@
 
 An artifact directory holds exactly ``kv.safetensors`` and ``statement.dsse.json``. It appears
 under its final name only when complete (built in a temp dir, fsynced, renamed). Loading checks
-the statement (and its signature when trusted keys are given), then the tensors file's sha256
-against the statement, then model, tokenizer and profile, then the parent chain, all before
-any tensor is used.
+the statement's signature against trusted keys (always, unless the caller explicitly opts out
+with ``insecure_skip_verify``), then the tensors file's sha256 against the statement, then
+model, tokenizer and profile, then the parent chain (walked iteratively, bounded, cycles
+refused, each child starting at its parent's end), then token ids against the vocabulary and
+every tensor for NaN/Inf, all before any tensor is used. Capture refuses to sign a state that
+would fail those last checks.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from kvgraft.schemas import (
     sha256_bytes,
 )
 from kvgraft.verifier import (
+    MalformedInputError,
     TrustedKeys,
     VerificationError,
     b64decode_any,
@@ -53,11 +57,19 @@ from kvgraft.verifier import (
     verify_statement_envelope,
 )
 
-from .errors import ArtifactError, KvFileError
+from .errors import (
+    ArtifactError,
+    ArtifactSignatureError,
+    KvFileError,
+    LineageError,
+    NoTrustedKeysError,
+    UnsafeTensorError,
+)
 from .kvfile import deserialize, serialize
 from .kvstate import KVState, Segment
 from .models import LoadedModel, kvgraft_home
 from .profiles import require_same
+from .trust import SKIPPED
 
 KV_FILE = "kv.safetensors"
 STATEMENT_FILE = "statement.dsse.json"
@@ -146,9 +158,13 @@ def write_artifact(
     """Write ``state``'s positions ``[start, end)`` as a signed artifact at ``out`` (atomically)."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ArtifactError(f"{out} already exists and is not an empty directory", hint="choose a new --out directory")
-    data = serialize(state.export(start), _KV_METADATA)
-    kv_digest = sha256_bytes(data)
     ids = state.token_ids[start:]
+    exported = state.export(start)
+    # Never sign what could not be grafted back: ids outside the vocabulary, NaN or Inf state.
+    check_token_ids(ids, start, int(model.module.config.vocab_size), f"capture into {out}")
+    check_finite(exported, start, state.end, f"capture into {out}")
+    data = serialize(exported, _KV_METADATA)
+    kv_digest = sha256_bytes(data)
     statement = KvArtifactStatement(
         subject=[Subject(name=KV_FILE, digest=SubjectDigest(sha256=hex_of(kv_digest)))],
         predicate=KvArtifactPredicate(
@@ -204,15 +220,25 @@ def _remember(directory: Path, kv_digest: Sha256Digest) -> None:
     os.replace(tmp, path)
 
 
-def find_artifact(kv_digest: Sha256Digest, near: Path) -> Path:
-    """Where the artifact whose tensors have ``kv_digest`` lives: the local index, or a sibling."""
+def find_artifact(kv_digest: Sha256Digest, near: Path, digests: dict[Path, Sha256Digest | None] | None = None) -> Path:
+    """Where the artifact whose tensors have ``kv_digest`` lives: the local index, or a sibling.
+
+    ``digests`` remembers each candidate's tensors digest across the calls of one chain walk, so
+    a deep chain hashes each sibling once, not once per link.
+    """
+    memo: dict[Path, Sha256Digest | None] = {} if digests is None else digests
     candidates = []
     with contextlib.suppress(OSError):
         candidates.append(Path(_index_path(kv_digest).read_text().strip()))
-    candidates += [p for p in near.parent.iterdir() if p.is_dir()] if near.parent.is_dir() else []
+    candidates += sorted(p for p in near.parent.iterdir() if p.is_dir()) if near.parent.is_dir() else []
     for c in candidates:
-        kv = c / KV_FILE
-        if kv.is_file() and sha256_bytes(kv.read_bytes()) == kv_digest:
+        if c not in memo:
+            kv = c / KV_FILE
+            try:
+                memo[c] = sha256_bytes(kv.read_bytes()) if kv.is_file() else None
+            except OSError:
+                memo[c] = None
+        if memo[c] == kv_digest:
             return c
     raise ArtifactError(
         f"the parent artifact {kv_digest} of {near} was not found",
@@ -221,6 +247,10 @@ def find_artifact(kv_digest: Sha256Digest, near: Path) -> Path:
 
 
 # --- reading -----------------------------------------------------------------------------------
+
+#: The longest parent chain ``load_artifact`` walks (a library's chain is 2 deep; the registry's
+#: ``max_lineage_depth`` defaults to the same). A longer chain, or a cycle, is refused.
+DEFAULT_MAX_CHAIN_DEPTH = 256
 
 
 @dataclass(frozen=True)
@@ -232,12 +262,18 @@ class LoadedArtifact:
     kv_digest: Sha256Digest
     tensors: dict[str, torch.Tensor]
     parent: LoadedArtifact | None
+    #: ``verified: <signer names>``, or ``skipped (--insecure-skip-verify)``.
     signature: str
 
     @property
     def chain(self) -> list[LoadedArtifact]:
-        """Root first."""
-        return [*(self.parent.chain if self.parent else []), self]
+        """Root first (walked iteratively: a chain is bounded by ``DEFAULT_MAX_CHAIN_DEPTH``, never by the stack)."""
+        out: list[LoadedArtifact] = []
+        node: LoadedArtifact | None = self
+        while node is not None:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
 
     def segments(self) -> list[Segment]:
         """The chain as KV segments."""
@@ -247,42 +283,93 @@ class LoadedArtifact:
         ]
 
 
-def _read_statement(directory: Path, trusted: TrustedKeys | None) -> tuple[KvArtifactStatement, str]:
+def _no_keys(directory: Path) -> NoTrustedKeysError:
+    return NoTrustedKeysError(
+        f"{directory}: no trusted keys to check its signature against",
+        hint="pass trusted=TrustedKeys (on the command line --trusted-keys FILE or --trust-local-key), "
+        "or insecure_skip_verify=True (--insecure-skip-verify) to skip the check",
+    )
+
+
+def read_statement(directory: Path, trusted: TrustedKeys | None, skip: bool = False) -> tuple[KvArtifactStatement, str]:
+    """An artifact's statement, its signature verified against ``trusted`` before the payload is
+    parsed (or, only with ``skip``, parsed unchecked), and how the signature was checked."""
     env_path = directory / STATEMENT_FILE
     try:
         envelope = read_envelope(env_path)
+    except VerificationError as e:
+        raise ArtifactError(f"artifact {directory}: {e.message}", hint=e.hint) from e
+    try:
         if trusted is not None:
             verified, statement = verify_statement_envelope(envelope, trusted)
             signature = "verified: " + ", ".join(k.name for k in verified.signers)
+        elif skip:
+            payload = b64decode_any(envelope.payload, what="envelope payload")
+            statement = parse_statement(payload, what=f"statement in {env_path}")
+            signature = SKIPPED
         else:
-            statement = parse_statement(b64decode_any(envelope.payload, what="envelope payload"), what=f"statement in {env_path}")
-            signature = "not checked (no trusted keys given)"
-    except (VerificationError, DocumentError) as e:
+            raise _no_keys(directory)
+    except MalformedInputError as e:
+        raise ArtifactError(f"artifact {directory}: {e.message}", hint=e.hint) from e
+    except VerificationError as e:
+        raise ArtifactSignatureError(f"artifact {directory}: its signature is refused: {e.message}") from e
+    except DocumentError as e:
         raise ArtifactError(f"artifact {directory}: {e}") from e
     if not isinstance(statement, KvArtifactStatement):
         raise ArtifactError(f"{env_path} is a {statement.predicate_type} statement, not a KV artifact")
     return statement, signature
 
 
-def load_artifact(
-    directory: Path,
-    model: LoadedModel,
-    profile: DeterminismProfile,
-    *,
-    trusted: TrustedKeys | None = None,
-    parent: LoadedArtifact | None = None,
-    _depth: int = 0,
-) -> LoadedArtifact:
-    """Load and check an artifact and its parent chain for grafting into ``model``/``profile``.
+def check_token_ids(ids: list[int] | tuple[int, ...], start: int, vocab_size: int, where: str) -> None:
+    """Refuse a token id outside ``[0, vocab_size)``, naming its position."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise UnsafeTensorError(
+                f"{where}: token id {t} at position {start + i} is outside the model's vocabulary of {vocab_size} ids"
+            )
 
-    ``parent``: an already loaded (and so already checked) artifact to use as the parent when the
-    statement names its digest, instead of finding and re-reading it (a library's shared prefix).
+
+def check_finite(tensors: dict[str, torch.Tensor], start: int, end: int, where: str) -> None:
+    """Refuse a NaN or infinite value in any float tensor, naming the tensor and the position.
+
+    Keys and values are ``[1, heads, tokens, head_dim]``: a full layer's tokens are the
+    artifact's own positions ``[start, end)``, a sliding layer's (one with ``.seen``) the last
+    ``tokens`` positions before ``end``.
     """
+    for name in sorted(tensors):
+        t = tensors[name]
+        # One pass: a NaN or Inf anywhere makes the sum non-finite; only then look for where.
+        if not t.is_floating_point() or bool(torch.isfinite(t.sum())):
+            continue
+        bad = (~torch.isfinite(t)).nonzero()
+        if len(bad) == 0:
+            continue  # the sum overflowed; every element is finite
+        index = tuple(int(x) for x in bad[0])
+        value = float(t[index])
+        where_at = f"index {list(index)}"
+        if t.dim() == 4:
+            layer = name.rsplit(".", 1)[0]
+            first = end - t.shape[2] if f"{layer}.seen" in tensors else start
+            where_at = f"position {first + index[2]} (index {list(index)})"
+        raise UnsafeTensorError(f"{where}: tensor {name} holds {value} at {where_at}; KV state must be finite")
+
+
+@dataclass(frozen=True)
+class _Read:
+    directory: Path
+    statement: KvArtifactStatement
+    signature: str
+    data: bytes
+    kv_digest: Sha256Digest
+
+
+def _read_one(
+    directory: Path, model: LoadedModel, profile: DeterminismProfile, trusted: TrustedKeys | None, skip: bool
+) -> _Read:
+    """One artifact's statement (signature first), tensors digest, and model/profile fit."""
     if not directory.is_dir():
         raise ArtifactError(f"artifact directory {directory} does not exist or is not a directory")
-    if _depth > 10_000:
-        raise ArtifactError("the parent chain is longer than 10000 artifacts (a cycle?)")
-    statement, signature = _read_statement(directory, trusted)
+    statement, signature = read_statement(directory, trusted, skip)
     subjects = {s.name: s for s in statement.subject}
     if set(subjects) != {KV_FILE}:
         raise ArtifactError(f"{directory}: the statement's subjects are {sorted(subjects)}, expected only {KV_FILE}")
@@ -301,22 +388,82 @@ def load_artifact(
         artifact_model=p.model, model=model.ref, artifact_tokenizer=p.tokenizer_digest, tokenizer=model.tokenizer_digest,
         artifact_profile=p.profile, profile=profile,
     )
-    if p.parent is None:
-        parent = None
-    elif parent is not None and parent.kv_digest == p.parent:
-        pass  # checked when it was loaded; the chain key below still ties it to this artifact
-    else:
-        parent = load_artifact(find_artifact(p.parent, directory), model, profile, trusted=trusted, _depth=_depth + 1)
-    if parent is not None:
-        expected_key = chain_key(parent.statement.predicate.chain_key, p.model, p.tokenizer_digest, p.profile, p.tokens.ids)
-        if parent.statement.predicate.positions.end != p.positions.start or expected_key != p.chain_key:
-            raise ArtifactError(f"{directory}: its parent {p.parent} does not lead to it (positions or chain key differ)", hint="wrong parent")
-    elif p.positions.start != 0 or p.chain_key != chain_key(None, p.model, p.tokenizer_digest, p.profile, p.tokens.ids):
-        raise ArtifactError(f"{directory}: a root artifact must start at 0 and carry its own chain key")
-    if token_digest(p.tokens.ids) != p.tokens.digest:
-        raise ArtifactError(f"{directory}: the token ids do not match their digest")
-    try:
-        tensors, _ = deserialize(data, source=str(directory / KV_FILE))
-    except KvFileError as e:
-        raise ArtifactError(str(e.message)) from e
-    return LoadedArtifact(directory, statement, kv_digest, tensors, parent, signature)
+    return _Read(directory, statement, signature, data, kv_digest)
+
+
+def load_artifact(
+    directory: Path,
+    model: LoadedModel,
+    profile: DeterminismProfile,
+    *,
+    trusted: TrustedKeys | None = None,
+    insecure_skip_verify: bool = False,
+    parent: LoadedArtifact | None = None,
+    max_depth: int = DEFAULT_MAX_CHAIN_DEPTH,
+) -> LoadedArtifact:
+    """Load and check an artifact and its parent chain for grafting into ``model``/``profile``.
+
+    Every artifact of the chain must be signed by ``trusted`` (checked before its statement is
+    parsed); with no keys the load is refused (``NoTrustedKeysError``) unless the caller opts
+    out with ``insecure_skip_verify=True``. The chain is walked iteratively, child to root, with
+    a visited set (a cycle is refused) and at most ``max_depth`` artifacts. Each link must join
+    up (the child starts at its parent's end, with the chain key its parent leads to); token ids
+    must be in the model's vocabulary and every tensor finite, all before any tensor is used.
+
+    ``parent``: an already loaded (and so already checked) artifact to use as the parent when the
+    statement names its digest, instead of finding and re-reading it (a library's shared prefix).
+    """
+    if trusted is None and not insecure_skip_verify:
+        raise _no_keys(directory)
+    reads: list[_Read] = []  # child first
+    seen: set[Sha256Digest] = set()
+    digests: dict[Path, Sha256Digest | None] = {}
+    base: LoadedArtifact | None = None
+    current = directory
+    while True:
+        if len(reads) >= max_depth:
+            raise LineageError(f"{directory}: its parent chain is longer than {max_depth} artifacts",
+                               hint="a chain this deep is not a real one (a library's is 2); capture a shorter chain")
+        r = _read_one(current, model, profile, trusted, insecure_skip_verify)
+        seen.add(r.kv_digest)
+        reads.append(r)
+        p = r.statement.predicate
+        if p.parent is None:
+            break
+        if p.parent in seen:
+            raise LineageError(f"{directory}: its parent chain is a cycle: {current} names {p.parent} as its parent, "
+                               "which is already in the chain")
+        if parent is not None and parent.kv_digest == p.parent:
+            base = parent  # checked when it was loaded; the chain key below still ties it to the child
+            break
+        current = find_artifact(p.parent, current, digests)
+    loaded = base
+    vocab = int(model.module.config.vocab_size)
+    for r in reversed(reads):
+        p = r.statement.predicate
+        if loaded is not None:
+            lp = loaded.statement.predicate
+            if lp.positions.end != p.positions.start:
+                raise LineageError(
+                    f"{r.directory}: it starts at position {p.positions.start}, but its parent {p.parent} "
+                    f"ends at {lp.positions.end}",
+                    hint="a child continues exactly where its parent ends; capture it with --parent",
+                )
+            if chain_key(lp.chain_key, p.model, p.tokenizer_digest, p.profile, p.tokens.ids) != p.chain_key:
+                raise LineageError(f"{r.directory}: its parent {p.parent} does not lead to it (the chain key differs)",
+                                   hint="wrong parent")
+        elif p.positions.start != 0 or p.chain_key != chain_key(None, p.model, p.tokenizer_digest, p.profile,
+                                                                 p.tokens.ids):
+            raise LineageError(f"{r.directory}: a root artifact must start at 0 and carry its own chain key")
+        if token_digest(p.tokens.ids) != p.tokens.digest:
+            raise ArtifactError(f"{r.directory}: the token ids do not match their digest")
+        check_token_ids(p.tokens.ids, p.positions.start, vocab, str(r.directory))
+        try:
+            tensors, _ = deserialize(r.data, source=str(r.directory / KV_FILE))
+        except KvFileError as e:
+            raise ArtifactError(str(e.message)) from e
+        check_finite(tensors, p.positions.start, p.positions.end, str(r.directory / KV_FILE))
+        loaded = LoadedArtifact(r.directory, r.statement, r.kv_digest, tensors, loaded, r.signature)
+    if loaded is None:
+        raise ArtifactError(f"{directory}: no artifact was read", hint="a bug: report it")
+    return loaded

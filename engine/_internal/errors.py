@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
+from kvgraft.schemas import KvgraftError
 
-class EngineError(Exception):
-    """Base class of every failure the engine reports."""
 
-    default_hint: str = "see the message"
+class EngineError(KvgraftError):
+    """Base class of every failure the engine reports (a ``kvgraft.KvgraftError``)."""
 
-    def __init__(self, message: str, *, hint: str | None = None) -> None:
-        self.message = message
-        self.hint = hint if hint is not None else self.default_hint
-        super().__init__(message)
-
-    def __str__(self) -> str:
-        return " ".join(f"{self.message} (hint: {self.hint})".split())
+    default_hint: str | None = "check the model, artifact and options named in the message"
 
 
 class UnknownModelError(EngineError):
@@ -45,6 +39,37 @@ class ArtifactError(EngineError):
     """An artifact directory cannot be used: missing files, bad statement, digest mismatch."""
 
     default_hint = "check the artifact directory; 'kvgraft-verify envelope' says what is wrong"
+
+
+class ArtifactSignatureError(ArtifactError):
+    """An artifact's DSSE signature does not verify against the trusted keys (forged, zeroed,
+    or made by a key nobody trusts)."""
+
+    default_hint = "use only artifacts signed by a key you trust; add a signer with 'kvgraft keys trust'"
+
+
+class UnsafeTensorError(ArtifactError):
+    """An artifact's tensors or token ids cannot be grafted: NaN/Inf values, ids outside the vocabulary."""
+
+    default_hint = "the artifact is damaged or forged; capture it again from its text"
+
+
+class LineageError(ArtifactError):
+    """An artifact's parent chain does not join up: a cycle, too deep, or positions that do not meet."""
+
+    default_hint = "a chain runs root first, each child starting where its parent ends; capture it again"
+
+
+class NoTrustedKeysError(EngineError):
+    """No trusted keys were given or configured, and the user did not opt out of verification."""
+
+    default_hint = "pass --trusted-keys FILE (or trusted= in the API), or opt out with --insecure-skip-verify"
+
+
+class TrustOptionsError(EngineError):
+    """Trust options that contradict each other (keys and --insecure-skip-verify)."""
+
+    default_hint = "either verify against keys or skip the check, not both"
 
 
 class ProfileMismatchError(EngineError):

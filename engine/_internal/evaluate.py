@@ -275,9 +275,14 @@ def write_pre_registration(
 
 def run_replay(
     pre_registration: Path, out: Path, *, log_index: int, key: Path, passphrase: bytes | None = None,
-    python: Sequence[str] = (sys.executable, "-m", "kvgraft"),
+    python: Sequence[str] = (sys.executable, "-m", "kvgraft"), trust_args: Sequence[str] = (),
 ) -> ReplayStatement:
-    """Run the pre-registered command in a fresh process and record whether it reproduced."""
+    """Run the pre-registered command in a fresh process and record whether it reproduced.
+
+    ``trust_args`` (``--trusted-keys FILE``, ``--trust-local-key``, ``--insecure-skip-verify``)
+    are appended to the command: they decide which signatures the replayed eval accepts, never
+    what it computes, so they are not part of the registered command.
+    """
     raw, prereg = read_record(pre_registration, PreRegistrationStatement)
     command = list(prereg.predicate.command)
     if command[:2] != ["kvgraft", "eval"]:
@@ -285,7 +290,8 @@ def run_replay(
                               hint="only evaluations can be replayed")
     with tempfile.TemporaryDirectory(prefix="kvgraft-replay-") as tmp:
         run_dir = Path(tmp) / "eval"
-        proc = subprocess.run([*python, *command[1:], "--out", str(run_dir)], capture_output=True, text=True, check=False)
+        proc = subprocess.run([*python, *command[1:], *trust_args, "--out", str(run_dir)], capture_output=True, text=True,
+                              check=False)
         if proc.returncode != 0:
             raise EvaluationError(
                 f"the replayed command exited {proc.returncode}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}",

@@ -48,6 +48,7 @@ from .artifacts import load_artifact, logits_digest, token_digest
 from .errors import ArtifactError, InputTextError
 from .models import LoadedModel
 from .ops import capture, fresh, graft
+from .trust import trust_signer
 
 #: The texts samples are drawn from, shipped with the project (see data/datasets/*.SOURCE.md).
 DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "datasets"
@@ -139,6 +140,7 @@ def run_exactness(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     work = tmp / "artifacts"
+    own = trust_signer(key, passphrase)
     results: list[ExactnessSample] = []
     try:
         pairs = draw_pairs(model, samples, seed, min_tokens=min_tokens, max_tokens=max_tokens, continuation_tokens=continuation_tokens)
@@ -146,7 +148,8 @@ def run_exactness(
         for index, pair in enumerate(bar):
             art_dir = work / f"sample-{index:03d}"
             captured = capture(model, profile, pair.prefix, art_dir, key=key, passphrase=passphrase)
-            loaded = load_artifact(art_dir, model, profile)  # read back from disk, digest checked
+            # Read back from disk: signature (by the key that just signed it), digest and tensors checked.
+            loaded = load_artifact(art_dir, model, profile, trusted=own)
             g = graft(model, profile, loaded, pair.continuation, shift=shift)
             f = fresh(model, profile, pair.prefix, pair.continuation)
             if f.continuation_ids != g.continuation_ids or f.prefix_tokens != g.prefix_tokens:

@@ -8,7 +8,7 @@ from .errors import EngineError
 class ScheduleError(EngineError):
     """A schedule (chunking, batch, invariant settings) cannot be run as asked."""
 
-    default_hint = "see the message"
+    default_hint = "use a chunk size and batch that the invariant profile supports (docs/invariance.md)"
 
 
 class KernelError(EngineError):

@@ -14,6 +14,11 @@ grafts prefix + entry at their own positions, and decodes only what is missing: 
 problem, the few tokens that restate the final answer; for a new problem, the new solution with
 the retrieved worked example in context. The store grows without bound on disk; memory holds one
 entry's KV at a time plus the index.
+
+Trust: the index only points. Every artifact grafted is verified against trusted keys first,
+and an entry is used only when its artifact's signed text (``Problem: P\nSolution: ...\nFinal
+answer: \boxed{A}``) states the index line's problem (by normalized sha256), its answer, and,
+for an exact hit, the question asked; the entry must be the prefix's child in ``entries/<hash16>``.
 """
 
 from __future__ import annotations
@@ -36,11 +41,12 @@ from kvgraft.schemas import DeterminismProfile, DocumentError, Sha256Digest, can
 from kvgraft.verifier import Dataset, TrustedKeys, extract_answer, grade, write_atomic
 
 from .artifacts import LoadedArtifact, load_artifact
-from .errors import LibraryError
+from .errors import LibraryError, NoTrustedKeysError
 from .kvstate import KVState
 from .models import LoadedModel
 from .ops import capture
 from .profiles import applied
+from .trust import trust_signer
 
 LIBRARY_FILE = "library.json"
 INDEX_FILE = "index.jsonl"
@@ -76,6 +82,21 @@ def problem_hash(text: str) -> str:
 def entry_text(problem: str, solution: str, answer: str) -> str:
     """The text one entry holds: the problem, its worked solution, its boxed final answer."""
     return f"Problem: {problem.strip()}\nSolution: {solution.strip()}\nFinal answer: \\boxed{{{answer}}}\n\n"
+
+
+_HEAD, _SOLUTION, _FINAL, _TAIL = "Problem: ", "\nSolution: ", "\nFinal answer: \\boxed{", "}\n\n"
+
+
+def stated_problem(text: str) -> tuple[str, str] | None:
+    """``(problem, answer)`` as an entry's text (``entry_text``) states them, or None when the
+    text is not an entry's. The problem ends at the first ``\nSolution: `` (deposit refuses a
+    problem holding one), the answer is the last ``\boxed{...}``: one reading, never two."""
+    if not text.startswith(_HEAD) or _SOLUTION not in text or not text.endswith(_TAIL):
+        return None
+    final = text.rfind(_FINAL)
+    if final < 0:
+        return None
+    return text[len(_HEAD):text.index(_SOLUTION)], text[final + len(_FINAL):-len(_TAIL)]
 
 
 def question_text(problem: str) -> str:
@@ -230,11 +251,14 @@ class Answer:
     seconds: float
     energy_joules: float
     energy_method: str
+    #: How the grafted artifacts' signatures were checked: ``verified: <signers>`` or ``skipped (...)``.
+    signature: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` object (the prompt text is left out; its length is ``context_tokens``)."""
         return {
             "answer": self.answer, "text": self.text, "entry": self.entry, "method": self.method,
+            "signature": self.signature,
             "score": round(self.score, 6), "prompt_tokens": self.prompt_tokens, "decode_tokens": self.decode_tokens,
             "context_tokens": self.context_tokens, "seconds": round(self.seconds, 6),
             "energy_joules": self.energy_joules, "energy_method": self.energy_method,
@@ -270,21 +294,38 @@ def stop_at_brace(text: str) -> bool:
     return "}" in text or "\n" in text
 
 
+def _require_trust(directory: Path, trusted: TrustedKeys | None, insecure_skip_verify: bool) -> None:
+    if trusted is None and not insecure_skip_verify:
+        raise NoTrustedKeysError(
+            f"library {directory}: no trusted keys to check its artifacts' signatures against",
+            hint="pass trusted=TrustedKeys (on the command line --trusted-keys FILE or --trust-local-key), "
+            "or insecure_skip_verify=True (--insecure-skip-verify) to skip the check",
+        )
+
+
 def _parameters(model: LoadedModel) -> int:
     return sum(p.numel() for p in model.module.parameters())
 
 
 class Library:
-    """A library directory opened for one model and profile. Use ``Library.create`` or ``Library.open``."""
+    """A library directory opened for one model and profile. Use ``Library.create`` or ``Library.open``.
+
+    Every artifact it grafts (the prefix, each entry) is verified against ``trusted`` first;
+    ``insecure_skip_verify`` is the only way not to, and must be asked for by name. An entry is
+    used only when its artifact's signed text states the problem the index and the question
+    name (``load_entry``), so an index pointed at another problem's artifact is refused.
+    """
 
     def __init__(self, directory: Path, model: LoadedModel, profile: DeterminismProfile, meta: dict[str, Any],
-                 entries: list[Entry], trusted: TrustedKeys | None) -> None:
+                 entries: list[Entry], trusted: TrustedKeys | None, *, insecure_skip_verify: bool = False) -> None:
+        _require_trust(directory, trusted, insecure_skip_verify)
         self.directory = directory
         self.model = model
         self.profile = profile
         self.meta = meta
         self.entries = entries
         self.trusted = trusted
+        self.insecure_skip_verify = insecure_skip_verify
         self._by_hash = {e.problem_hash: i for i, e in enumerate(entries)}
         self._text = _TextIndex()
         for e in entries:
@@ -296,8 +337,13 @@ class Library:
 
     @classmethod
     def create(cls, directory: Path, model: LoadedModel, profile: DeterminismProfile, *, kind: str, key: Path,
-               passphrase: bytes | None = None) -> Library:
-        """A new library: capture the shared instruction prefix and write ``library.json``."""
+               passphrase: bytes | None = None, trusted: TrustedKeys | None = None,
+               insecure_skip_verify: bool = False) -> Library:
+        """A new library: capture the shared instruction prefix and write ``library.json``.
+
+        The returned library verifies what it grafts against ``trusted``; without it, against
+        the key it was created with (the only key that has signed anything in it yet).
+        """
         if (directory / LIBRARY_FILE).exists():
             raise LibraryError(f"{directory} already holds a library", hint="deposit into it, or choose a new --library")
         if directory.exists() and any(p.name != ".lock" for p in directory.iterdir()):
@@ -310,31 +356,48 @@ class Library:
         }
         write_atomic(directory / LIBRARY_FILE, json.dumps(meta, indent=2).encode() + b"\n", 0o644)
         (directory / INDEX_FILE).touch()
-        return cls(directory, model, profile, meta, [], None)
+        if trusted is None and not insecure_skip_verify:
+            trusted = trust_signer(key, passphrase, name="library creator")
+        return cls(directory, model, profile, meta, [], trusted, insecure_skip_verify=insecure_skip_verify)
 
     @classmethod
     def open(cls, directory: Path, model: LoadedModel, profile: DeterminismProfile, *,
-             trusted: TrustedKeys | None = None) -> Library:
-        """Open an existing library for ``model`` and ``profile`` (both must be the library's)."""
+             trusted: TrustedKeys | None = None, insecure_skip_verify: bool = False) -> Library:
+        """Open an existing library for ``model`` and ``profile`` (both must be the library's).
+
+        ``trusted``: the keys every grafted artifact must be signed by. Without them opening is
+        refused (``NoTrustedKeysError``) unless ``insecure_skip_verify=True`` says to skip.
+        """
         meta = read_meta(directory)
         if meta["model"] != model.spec.name or meta["profile"] != profile.name:
             raise LibraryError(
                 f"{directory} holds {meta['model']} state under profile {meta['profile']}, not {model.spec.name} / {profile.name}",
                 hint=f"pass --model {meta['model']} --profile {meta['profile']}",
             )
-        return cls(directory, model, profile, meta, list(_read_index(directory)), trusted)
+        _require_trust(directory, trusted, insecure_skip_verify)  # before the index is read
+        return cls(directory, model, profile, meta, list(_read_index(directory)), trusted,
+                   insecure_skip_verify=insecure_skip_verify)
 
     # --- deposit ---------------------------------------------------------------------------------
 
     def prefix(self) -> LoadedArtifact:
         """The shared instruction prefix, loaded and checked once."""
         if self._prefix is None:
-            self._prefix = load_artifact(self.directory / PREFIX_DIR, self.model, self.profile, trusted=self.trusted)
-            if self._prefix.kv_digest != self.meta["prefix_artifact"]:
+            prefix = load_artifact(self.directory / PREFIX_DIR, self.model, self.profile, trusted=self.trusted,
+                                   insecure_skip_verify=self.insecure_skip_verify)
+            if prefix.kv_digest != self.meta["prefix_artifact"]:
                 raise LibraryError(
-                    f"{self.directory / PREFIX_DIR} holds {self._prefix.kv_digest}, but {LIBRARY_FILE} names {self.meta['prefix_artifact']}",
+                    f"{self.directory / PREFIX_DIR} holds {prefix.kv_digest}, "
+                    f"but {LIBRARY_FILE} names {self.meta['prefix_artifact']}",
                     hint="the library was altered; deposit into a new one",
                 )
+            signed = prefix.statement.predicate.source_text.text
+            if prefix.parent is not None or signed != self.meta["instruction"]:
+                raise LibraryError(
+                    f"{self.directory / PREFIX_DIR}: its signed text is not the instruction {LIBRARY_FILE} names",
+                    hint="the library was altered; deposit into a new one",
+                )
+            self._prefix = prefix
         return self._prefix
 
     def deposit(self, dataset: Dataset, index: int, solution: str, *, key: Path, passphrase: bytes | None = None) -> Entry | None:
@@ -354,6 +417,13 @@ class Library:
         text = entry_text(problem, solution, answer or "")
         if answer is None or not grade(dataset, index, text).correct:
             return None
+        if stated_problem(text) != (problem.strip(), answer):
+            # ask reads the problem back from the signed text: it must read back as this one.
+            raise LibraryError(
+                f"problem {index} of {dataset.name} cannot be stored unambiguously: its text or answer holds "
+                f"{_SOLUTION.strip()!r} on a new line or braces that end its answer box",
+                hint="skip this problem (--limit / a solutions file without it)",
+            )
         out = self.directory / ENTRIES_DIR / phash[:16]
         captured = capture(self.model, self.profile, text, out, key=key, parent=self.prefix(), passphrase=passphrase)
         entry = Entry(phash, problem, answer, captured.kv_digest, f"{ENTRIES_DIR}/{phash[:16]}",
@@ -379,12 +449,45 @@ class Library:
             return None
         return Hit(self.entries[best[0]], "similar", best[1])
 
-    def load_entry(self, entry: Entry) -> LoadedArtifact:
-        """An entry's artifact, checked (digest always; signature with trusted keys), on the prefix."""
-        art = load_artifact(self.directory / entry.directory, self.model, self.profile, trusted=self.trusted, parent=self.prefix())
+    def load_entry(self, entry: Entry, question: str | None = None) -> LoadedArtifact:
+        """An entry's artifact, checked, on the prefix: signature, digest, that it is the
+        prefix's child, and that its signed text states the problem (and answer) the index
+        entry names, and, for an exact hit (``question`` given), the question asked."""
+        where = f"library {self.directory}: index entry {entry.problem_hash[:16]}"
+        if entry.directory != f"{ENTRIES_DIR}/{entry.problem_hash[:16]}":
+            raise LibraryError(f"{where} points at {entry.directory!r}, not at {ENTRIES_DIR}/{entry.problem_hash[:16]}",
+                               hint="the index was altered; re-deposit the problem into a new library")
+        if problem_hash(entry.problem) != entry.problem_hash:
+            raise LibraryError(f"{where}: its problem text does not hash to its problem_hash",
+                               hint="the index was altered; re-deposit the problem into a new library")
+        prefix = self.prefix()
+        art = load_artifact(self.directory / entry.directory, self.model, self.profile, trusted=self.trusted,
+                            insecure_skip_verify=self.insecure_skip_verify, parent=prefix)
         if art.kv_digest != entry.artifact:
             raise LibraryError(f"{entry.directory} holds {art.kv_digest}, but the index names {entry.artifact}",
                                hint="the library was altered; deposit into a new one")
+        if art.parent is not prefix:
+            raise LibraryError(f"{where}: its artifact is not a child of the library's prefix",
+                               hint="the library was altered; re-deposit the problem into a new library")
+        source = art.statement.predicate.source_text
+        signed_text = source.text or ""
+        stated = stated_problem(signed_text)
+        if stated is None or sha256_bytes(signed_text.encode("utf-8")) != source.digest:
+            raise LibraryError(f"{where}: its artifact's signed text does not state a problem",
+                               hint="the entry was not written by 'kvgraft library deposit'; re-deposit the problem")
+        signed_hash = problem_hash(stated[0])
+        if signed_hash != entry.problem_hash:
+            raise LibraryError(
+                f"{where} names problem {entry.problem_hash[:16]}, but its artifact {entry.artifact} is signed "
+                f"for problem {signed_hash[:16]} ({stated[0][:60]!r})",
+                hint="the index was pointed at another problem's artifact; re-deposit the problem into a new library",
+            )
+        if stated[1] != entry.answer:
+            raise LibraryError(f"{where} says the answer is {entry.answer!r}, but its artifact is signed with "
+                               f"{stated[1]!r}", hint="the index was altered; re-deposit the problem into a new library")
+        if question is not None and problem_hash(question) != signed_hash:
+            raise LibraryError(f"{where}: the question asked is not the problem its artifact is signed for",
+                               hint="the index was altered; re-deposit the problem into a new library")
         return art
 
     def ask(self, question: str, *, max_new_tokens: int = 256, use_similar: bool = True) -> Answer:
@@ -400,7 +503,7 @@ class Library:
                 artifact = self.prefix()
                 suffix, budget, stop, head = question_text(question), max_new_tokens, stop_after_boxed, ""
             elif hit.method == "exact":
-                artifact = self.load_entry(hit.entry)
+                artifact = self.load_entry(hit.entry, question)
                 suffix, budget, stop, head = RECALL_SUFFIX, min(RECALL_MAX_TOKENS, max_new_tokens), stop_at_brace, "\\boxed{"
             else:
                 artifact = self.load_entry(hit.entry)
@@ -420,6 +523,7 @@ class Library:
             entry=hit.entry.artifact if hit else None, method=hit.method if hit else "none", score=hit.score if hit else 0.0,
             prompt_tokens=len(ids), decode_tokens=decoded, context_tokens=artifact.statement.predicate.positions.end + len(ids),
             seconds=time.perf_counter() - t0, energy_joules=joules, energy_method=method,
+            signature=artifact.signature,
         )
 
     @property

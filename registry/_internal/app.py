@@ -12,8 +12,10 @@ import functools
 import hashlib
 import hmac
 import http
+import json
 import logging
 import os
+import re
 import secrets
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -23,23 +25,48 @@ import anyio
 import anyio.to_thread
 from litestar import Litestar, Request, Response, get, head, post, put
 from litestar.connection import ASGIConnection
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException, MethodNotAllowedException, NotFoundException, ValidationException
 from litestar.handlers.base import BaseRouteHandler
-from litestar.openapi import OpenAPIConfig
 from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 from litestar.response import Stream
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from litestar.utils import normalize_path
+from pydantic import BaseModel
 
 import kvgraft
 
 from .accounts import TokenInfo
-from .blobs import parse_digest_ref
+from .blobs import BlobScrubber, parse_digest_ref
 from .datadir import AdminHandle, remove_admin_handle, write_admin_handle
-from .errors import AdminAuthError, BadRequestError, BlobNotFoundError, PayloadTooLargeError, RegistryError
+from .entries import kind_of_filter
+from .errors import (
+    AdminAuthError,
+    BadRequestError,
+    HeadersTooLargeError,
+    NotFoundError,
+    PayloadTooLargeError,
+    RegistryError,
+    storage_error,
+)
+from .openapi import registry_openapi_config
 from .ranges import if_range_allows, none_match, parse_range
 from .security import add_security_headers
 from .service import Page, Registry
 from .settings import RegistrySettings
 from .ui import static_router, ui_router
+from .wire import (
+    MAX_TREE_SIZE,
+    ArtifactDocument,
+    ArtifactPage,
+    BlobStored,
+    ConsistencyProof,
+    EntryDocument,
+    EntryPage,
+    InclusionProof,
+    LogKey,
+    PublisherList,
+    dump,
+)
 
 logger = logging.getLogger("kvgraft.registry")
 
@@ -76,17 +103,45 @@ def problem(
     return Response(content=body, status_code=status, media_type=PROBLEM_JSON, headers=headers or {})
 
 
+#: An absolute filesystem path inside a message: '/' then at least one more '/'-separated name,
+#: not part of a URL (no ':' or word character just before it). API paths in messages
+#: ("GET /v1/entries/x ...") are only ever in 4xx answers, which are scrubbed of data paths only.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.~-])/(?:[\w.@+~-]+/)+[\w.@+~-]*")
+
+
+def _scrub(request: Request[Any, Any, Any], text: str, *, server_side: bool) -> str:
+    """``text`` without the data directory's path (always) nor any absolute path (``server_side``).
+
+    No HTTP answer may name a file on the registry's host: the log has the full message.
+    """
+    for root in getattr(request.app.state, "scrub_roots", ()):
+        text = text.replace(root, "DATA")
+    return _ABSOLUTE_PATH.sub("<path>", text) if server_side else text
+
+
+def _scrub_extra(request: Request[Any, Any, Any], extra: dict[str, Any], *, server_side: bool) -> dict[str, Any]:
+    return {k: _scrub(request, v, server_side=server_side) if isinstance(v, str) else v for k, v in extra.items()}
+
+
 def _registry_error(request: Request[Any, Any, Any], exc: RegistryError) -> Response[dict[str, Any]]:
+    if type(exc) is RegistryError:
+        # A plain RegistryError wraps a library failure (DuckDB's "could not write ..."): a full
+        # or read-only disk is the operator's to fix and says so (507/503), not a bare 500.
+        mapped = storage_error(exc.__cause__ if exc.__cause__ is not None else exc, exc.message.partition(":")[0])
+        if mapped is not None:
+            logger.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
+            exc = mapped
     if exc.status_code >= 500:
         logger.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
+    server_side = exc.status_code >= 500
     return problem(
         exc.status_code,
         exc.title,
-        exc.message,
+        _scrub(request, exc.message, server_side=server_side),
         type_=exc.problem_type,
         instance=request.url.path,
-        hint=exc.hint,
-        extra=exc.extra,
+        hint=_scrub(request, exc.hint, server_side=server_side),
+        extra=_scrub_extra(request, exc.extra, server_side=server_side),
         headers=exc.headers(),
     )
 
@@ -110,16 +165,27 @@ def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response
             detail = "invalid request: " + "; ".join(parts)
         extra["errors"] = exc.extra
     hint = None
+    headers = dict(exc.headers or {})
+    if isinstance(exc, MethodNotAllowedException):
+        # Litestar's Allow omits HEAD (answered for every GET route, see HttpEdge) and, on a path
+        # shared by several handlers, some of the methods: recompute it from the routes.
+        allowed = allowed_methods(request.app, request.scope["path"])
+        if allowed:
+            headers = {k: v for k, v in headers.items() if k.lower() != "allow"} | {"Allow": ", ".join(allowed)}
     if status in (404, 405) and detail == title:
         detail = f"{request.method} {request.url.path} is not part of this registry's API"
         hint = "the API is described at /schema (OpenAPI) and in docs/registry.md"
     if status >= 500:
         logger.error("%s %s failed: %s", request.method, request.url.path, detail)
-    return problem(status, title, detail, instance=request.url.path, hint=hint, extra=extra, headers=dict(exc.headers or {}))
+    detail = _scrub(request, detail, server_side=status >= 500)
+    return problem(status, title, detail, instance=request.url.path, hint=hint, extra=extra, headers=headers)
 
 
 def _internal_error(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
     logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    mapped = storage_error(exc, "the request could not be completed") if isinstance(exc, OSError) else None
+    if mapped is not None:
+        return _registry_error(request, mapped)
     return problem(
         500,
         "Internal Server Error",
@@ -127,6 +193,122 @@ def _internal_error(request: Request[Any, Any, Any], exc: Exception) -> Response
         instance=request.url.path,
         hint="retry; if it persists, report it to the registry's operator (the server log has the details)",
     )
+
+
+# --- the HTTP edge: header limits, OPTIONS and HEAD, before any route runs -------------------------
+
+#: The methods a route may have, in the order an Allow header lists them.
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+
+
+def allowed_methods(app: Litestar, path: str) -> list[str]:
+    """The methods ``path`` answers (HEAD wherever GET is, OPTIONS always); [] when no route matches."""
+    normalized = normalize_path(path)
+    found: list[str] = []
+    for method in _METHODS:
+        try:
+            app.asgi_router.handle_routing(path=normalized, method=method)  # type: ignore[arg-type]
+        except MethodNotAllowedException:
+            continue
+        except NotFoundException:
+            return []
+        found.append(method)
+    if "GET" in found and "HEAD" not in found:
+        found.insert(found.index("GET") + 1, "HEAD")
+    return [*found, "OPTIONS"] if found else []
+
+
+def _problem_messages(exc: RegistryError, path: str) -> tuple[Message, Message]:
+    body = {
+        "type": exc.problem_type, "title": exc.title, "status": exc.status_code, "detail": exc.message,
+        "instance": path, "hint": exc.hint,
+    }
+    data = json.dumps(body).encode("utf-8")
+    start: Message = {
+        "type": "http.response.start",
+        "status": exc.status_code,
+        "headers": [
+            (b"content-type", PROBLEM_JSON.encode("ascii")),
+            (b"content-length", str(len(data)).encode("ascii")),
+            # The client sent what this server will not parse again on this connection.
+            (b"connection", b"close"),
+        ],
+    }
+    return start, {"type": "http.response.body", "body": data, "more_body": False}
+
+
+class HttpEdge:
+    """ASGI wrapper around the app's router, run for every HTTP request, matched or not.
+
+    - Requests whose headers exceed ``max_header_bytes`` (names, values and 4 bytes of ': '
+      and CRLF each) or ``max_header_count`` are answered 431 before routing (the uvicorn
+      protocol in server.py refuses them earlier still, while they arrive).
+    - ``OPTIONS`` answers 204 with an ``Allow`` listing exactly the path's methods.
+    - ``HEAD`` on a route that has GET but no HEAD handler runs GET and sends its headers only.
+    """
+
+    def __init__(self, app: Litestar, inner: ASGIApp, settings: RegistrySettings) -> None:
+        self.app = app
+        self.inner = inner
+        self.max_header_bytes = settings.max_header_bytes
+        self.max_header_count = settings.max_header_count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.inner(scope, receive, send)
+            return
+        headers = scope["headers"]
+        if len(headers) > self.max_header_count:
+            await self._refuse(send, scope, HeadersTooLargeError(
+                f"the request has {len(headers)} headers; this registry accepts at most {self.max_header_count}"
+            ))
+            return
+        size = sum(len(name) + len(value) + 4 for name, value in headers)
+        if size > self.max_header_bytes:
+            await self._refuse(send, scope, HeadersTooLargeError(
+                f"the request's headers are {size} bytes; this registry accepts at most {self.max_header_bytes}"
+            ))
+            return
+        method = scope["method"]
+        if method in ("OPTIONS", "HEAD"):
+            allowed = allowed_methods(self.app, scope["path"])
+            if method == "OPTIONS" and allowed:
+                await send({"type": "http.response.start", "status": 204, "headers": [(b"allow", ", ".join(allowed).encode("ascii"))]})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            if method == "HEAD" and allowed and not self._has_head_handler(scope["path"]):
+                await self.inner({**scope, "method": "GET"}, receive, _headers_only(send))
+                return
+        await self.inner(scope, receive, send)
+
+    def _has_head_handler(self, path: str) -> bool:
+        try:
+            self.app.asgi_router.handle_routing(path=normalize_path(path), method="HEAD")
+        except (MethodNotAllowedException, NotFoundException):
+            return False
+        return True
+
+    @staticmethod
+    async def _refuse(send: Send, scope: Scope, exc: RegistryError) -> None:
+        logger.warning("%s %s refused: %s", scope.get("method"), scope.get("path"), exc.message)
+        for message in _problem_messages(exc, str(scope.get("path", ""))):
+            await send(message)
+
+
+def _headers_only(send: Send) -> Send:
+    """``send`` for a HEAD answered by GET: the start message as is, the body dropped."""
+    done = False
+
+    async def wrapped(message: Message) -> None:
+        nonlocal done
+        if message["type"] == "http.response.body":
+            if not done and not message.get("more_body", False):
+                done = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        await send(message)
+
+    return wrapped
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -152,9 +334,50 @@ async def read_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRout
         await _run(registry.authenticate, connection.headers.get("authorization"))
 
 
-def _limit(registry: Registry, limit: int | None) -> int:
+#: A whole number in a query string: ASCII digits only ('³'.isdigit() is true in Python), no sign.
+_DECIMAL = re.compile(r"[0-9]{1,1000}", re.ASCII)
+#: Any integer, for a parameter whose out-of-range values are answered 404 (a checkpoint at a size
+#: that never was); bounded in length so int() stays cheap.
+_INTEGER = re.compile(r"-?[0-9]{1,1000}", re.ASCII)
+
+
+def _int_query(value: str | None, name: str, *, low: int = 0, high: int | None = MAX_TREE_SIZE) -> int | None:
+    """The integer query parameter ``name`` (None when absent), within ``low..high``, or a 400.
+
+    ``high=None``: any integer, unchecked (the caller answers out-of-range values itself).
+    Parsed here rather than by Litestar, whose ``int | None`` reads the text ``null`` as absent.
+    """
+    if value is None:
+        return None
+    if high is None:
+        if _INTEGER.fullmatch(value) is None:
+            raise BadRequestError(
+                f"query {name}: {value[:40]!r} is not a whole number", hint=f"pass {name} as decimal ASCII digits"
+            )
+        return int(value)
+    if _DECIMAL.fullmatch(value) is None:
+        raise BadRequestError(
+            f"query {name}: {value[:40]!r} is not a whole number", hint=f"pass {name} as decimal ASCII digits"
+        )
+    number = int(value)
+    if not low <= number <= high:
+        raise BadRequestError(f"query {name}: {number} is not between {low} and {high}")
+    return number
+
+
+def _required_int(value: str, name: str) -> int:
+    number = _int_query(value, name)
+    if number is None:  # pragma: no cover (Litestar answers 400 for a missing required parameter)
+        raise BadRequestError(f"query {name} is required")
+    return number
+
+
+def _limit(registry: Registry, text: str | None) -> int:
     settings = registry.settings
-    if limit is None:
+    if text is None:
+        return settings.default_page_limit
+    limit = _int_query(text, "limit", high=1 << 64)
+    if limit is None:  # pragma: no cover (text is not None)
         return settings.default_page_limit
     if not 1 <= limit <= settings.max_page_limit:
         raise BadRequestError(f"limit {limit} must be between 1 and {settings.max_page_limit}")
@@ -163,6 +386,14 @@ def _limit(registry: Registry, limit: int | None) -> int:
 
 def _page(page: Page, **extra: Any) -> dict[str, Any]:
     return {"items": page.items, "next_cursor": page.next_cursor, **extra}
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _wire(model: type[_M], document: Any) -> _M:
+    """The service's ``document`` as the wire model ``model`` (the type the handler declares)."""
+    return model.model_validate(document)
 
 
 def _blob_hex(digest: str) -> str:
@@ -188,7 +419,7 @@ async def _read_limited(request: Request[Any, Any, Any], limit: int, what: str) 
 
 
 @put("/v1/blobs/{digest:path}", request_max_body_size=None, status_code=201, summary="Upload a blob")
-async def put_blob(request: Request[Any, Any, Any], digest: FromPath[str]) -> Response[dict[str, Any]]:
+async def put_blob(request: Request[Any, Any, Any], digest: FromPath[str]) -> Response[BlobStored]:
     """Upload the bytes whose sha256 is ``digest``, streamed; 201 when new, 200 when already stored.
 
     Needs a bearer token. Bytes that hash to another digest are refused (400) and not kept.
@@ -204,7 +435,7 @@ async def put_blob(request: Request[Any, Any, Any], digest: FromPath[str]) -> Re
     size = await _run(registry.blobs.size, hex_digest)
     ref = "sha256:" + hex_digest
     return Response(
-        content={"digest": ref, "size": size, "created": created},
+        content=BlobStored(digest=ref, size=size or 0, created=created),
         status_code=201 if created else 200,
         headers={"Location": f"/v1/blobs/{ref}", "ETag": f'"{ref}"'},
     )
@@ -215,9 +446,11 @@ def _blob_headers(hex_digest: str) -> dict[str, str]:
 
 
 async def _blob_size(registry: Registry, hex_digest: str) -> int:
-    size = await _run(registry.blobs.size, hex_digest)
-    if size is None:
-        raise BlobNotFoundError(f"no blob sha256:{hex_digest} is stored here")
+    # 404 blob-quarantined for a blob moved aside as damaged, 404 blob-not-found otherwise.
+    size = await _run(registry.blobs.require, hex_digest)
+    if size <= registry.settings.verify_on_read_bytes:
+        # Cheap enough to re-hash on every read: rot is caught (and quarantined) before a byte goes out.
+        await _run(registry.blobs.verify, hex_digest)
     return size
 
 
@@ -247,8 +480,9 @@ async def get_blob(request: Request[Any, Any, Any], digest: FromPath[str]) -> Re
     ranges = parse_range(request.headers.get("range"), size) if if_range_allows(request.headers.get("if-range"), etag) else None
     blobs = registry.blobs
     if ranges is None:
+        # Hashed while streamed; on a mismatch the response is cut short before its last chunk.
         return Stream(
-            blobs.read(hex_digest, 0, size),
+            blobs.read_checked(hex_digest, size),
             headers={**headers, "Content-Length": str(size)},
             media_type="application/octet-stream",
         )
@@ -288,7 +522,7 @@ async def get_blob(request: Request[Any, Any, Any], digest: FromPath[str]) -> Re
 
 
 @post("/v1/entries", request_max_body_size=None, status_code=201, summary="Publish a signed envelope")
-async def post_entry(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+async def post_entry(request: Request[Any, Any, Any]) -> Response[EntryDocument]:
     """Publish a DSSE envelope (the request body, stored byte for byte as the log leaf's data).
 
     Needs a bearer token bound to a key that signed it. 201 with the entry, its inclusion
@@ -300,7 +534,7 @@ async def post_entry(request: Request[Any, Any, Any]) -> Response[dict[str, Any]
     published = await _run(registry.publish, body, token)
     index = published.document["entry"]["log_index"]
     return Response(
-        content=published.document,
+        content=_wire(EntryDocument, published.document),
         status_code=201 if published.created else 200,
         headers={"Location": f"/v1/entries/{index}"},
     )
@@ -308,18 +542,18 @@ async def post_entry(request: Request[Any, Any, Any]) -> Response[dict[str, Any]
 
 @get("/v1/entries", guards=[read_guard], summary="Entries in log order")
 async def list_entries(
-    request: Request[Any, Any, Any], cursor: FromQuery[str | None] = None, limit: FromQuery[int | None] = None
-) -> dict[str, Any]:
+    request: Request[Any, Any, Any], cursor: FromQuery[str | None] = None, limit: FromQuery[str | None] = None
+) -> EntryPage:
     """Every entry's metadata in log order, paginated (for mirrors and auditors)."""
     registry = _registry(request)
     page = await _run(registry.list_entries, cursor, _limit(registry, limit))
-    return _page(page)
+    return _wire(EntryPage, _page(page))
 
 
 @get("/v1/entries/{ref:str}", guards=[read_guard], summary="One entry")
-async def get_entry(request: Request[Any, Any, Any], ref: FromPath[str]) -> dict[str, Any]:
+async def get_entry(request: Request[Any, Any, Any], ref: FromPath[str]) -> EntryDocument:
     """An entry by log index or envelope digest: metadata, inclusion proof and the latest checkpoint."""
-    return await _run(_registry(request).entry, ref)
+    return _wire(EntryDocument, await _run(_registry(request).entry, ref))
 
 
 @get("/v1/entries/{ref:str}/envelope", guards=[read_guard], summary="An entry's envelope bytes")
@@ -337,28 +571,65 @@ async def get_envelope(request: Request[Any, Any, Any], ref: FromPath[str]) -> R
 
 
 @get("/v1/log/checkpoint", guards=[read_guard], summary="The latest signed checkpoint")
-async def get_checkpoint(request: Request[Any, Any, Any], tree_size: FromQuery[int | None] = None) -> Response[bytes]:
+async def get_checkpoint(request: Request[Any, Any, Any], tree_size: FromQuery[str | None] = None) -> Response[bytes]:
     """The latest (or ``tree_size``'s) C2SP signed checkpoint note, as text."""
-    note = await _run(_registry(request).checkpoint, tree_size)
+    # A size outside the log (negative, or past 2^63-1 too) names no checkpoint: 404, from the service.
+    note = await _run(_registry(request).checkpoint, _int_query(tree_size, "tree_size", high=None))
     return Response(content=note, media_type="text/plain", headers={"Cache-Control": "no-cache"})
 
 
 @get("/v1/log/key", guards=[read_guard], summary="The log's public key and origin")
-async def get_log_key(request: Request[Any, Any, Any]) -> dict[str, Any]:
+async def get_log_key(request: Request[Any, Any, Any]) -> LogKey:
     """The registry's Ed25519 public key (PEM), key id, note verifier key and origin."""
-    return await _run(_registry(request).log_key)
+    return _wire(LogKey, await _run(_registry(request).log_key))
 
 
 @get("/v1/log/proof/inclusion", guards=[read_guard], summary="Inclusion proof")
-async def get_inclusion(request: Request[Any, Any, Any], index: FromQuery[int], tree_size: FromQuery[int | None] = None) -> dict[str, Any]:
-    """``{"log_index", "tree_size", "hashes"}`` for entry ``index`` (tree size default: latest)."""
-    return await _run(_registry(request).inclusion_proof, index, tree_size)
+async def get_inclusion(
+    request: Request[Any, Any, Any], index: FromQuery[str], tree_size: FromQuery[str | None] = None
+) -> InclusionProof:
+    """``{"log_index", "tree_size", "hashes"}`` for entry ``index`` (tree size default: latest).
+
+    404 when the log has no tree of ``tree_size`` yet, or the entry is not in it: what was asked
+    for does not exist (as for a checkpoint), though the numbers themselves are well formed.
+    """
+    registry = _registry(request)
+    entry, size = _required_int(index, "index"), _int_query(tree_size, "tree_size")
+    latest = registry.log.size
+    size = latest if size is None else size
+    if size > latest:
+        raise NotFoundError(
+            f"tree size {size} is outside the log, which has {latest} entries",
+            hint="ask for a tree size no larger than the latest checkpoint's",
+        )
+    if entry >= size:
+        raise NotFoundError(f"entry {entry} is not in a tree of size {size}", hint="the index must be less than the tree size")
+    return _wire(InclusionProof, await _run(registry.inclusion_proof, entry, size))
 
 
 @get("/v1/log/proof/consistency", guards=[read_guard], summary="Consistency proof")
-async def get_consistency(request: Request[Any, Any, Any], old: FromQuery[int], new: FromQuery[int | None] = None) -> dict[str, Any]:
-    """``{"old_size", "new_size", "hashes"}`` between two tree sizes (new default: latest)."""
-    return await _run(_registry(request).consistency_proof, old, new)
+async def get_consistency(
+    request: Request[Any, Any, Any], old: FromQuery[str], new: FromQuery[str | None] = None
+) -> ConsistencyProof:
+    """``{"old_size", "new_size", "hashes"}`` between two tree sizes (new default: latest).
+
+    404 when the log has no tree of ``new`` yet, or ``old`` is larger than ``new`` (no such proof).
+    """
+    registry = _registry(request)
+    old_size, new_size = _required_int(old, "old"), _int_query(new, "new")
+    latest = registry.log.size
+    new_size = latest if new_size is None else new_size
+    if new_size > latest:
+        raise NotFoundError(
+            f"tree size {new_size} is outside the log, which has {latest} entries",
+            hint="ask for a tree size no larger than the latest checkpoint's",
+        )
+    if old_size > new_size:
+        raise NotFoundError(
+            f"old tree size {old_size} must be between 0 and the new tree size {new_size}",
+            hint="pass the older checkpoint's size as old and the newer one's as new",
+        )
+    return _wire(ConsistencyProof, await _run(registry.consistency_proof, old_size, new_size))
 
 
 # --- artifacts, records, publishers ------------------------------------------------------------
@@ -373,23 +644,26 @@ async def list_artifacts(
     publisher: FromQuery[str | None] = None,
     q: FromQuery[str | None] = None,
     cursor: FromQuery[str | None] = None,
-    limit: FromQuery[int | None] = None,
-) -> dict[str, Any]:
+    limit: FromQuery[str | None] = None,
+) -> ArtifactPage:
     """KV artifacts in log order, filtered by model name, profile name, parent digest (``none``
     for roots), publisher and words of the source text (``q``, all must occur), paginated."""
     registry = _registry(request)
+    if parent is not None and parent != "none":
+        # Given but empty or malformed is a 400, as the schema says (the service skips an empty one).
+        parse_digest_ref(parent, what="parent")
     page = await _run(
         registry.list_artifacts,
         model=model, profile=profile, parent=parent, publisher=publisher, q=q, cursor=cursor, limit=_limit(registry, limit),
     )
-    return _page(page)
+    return _wire(ArtifactPage, _page(page))
 
 
 @get("/v1/artifacts/{digest:str}", guards=[read_guard], summary="One artifact")
-async def get_artifact(request: Request[Any, Any, Any], digest: FromPath[str]) -> dict[str, Any]:
+async def get_artifact(request: Request[Any, Any, Any], digest: FromPath[str]) -> ArtifactDocument:
     """An artifact by its tensors' digest: statement, envelope, entry, lineage, inclusion proof, checkpoint."""
     parse_digest_ref(digest, what="artifact digest")
-    return await _run(_registry(request).artifact, digest)
+    return _wire(ArtifactDocument, await _run(_registry(request).artifact, digest))
 
 
 @get("/v1/records", guards=[read_guard], summary="List records")
@@ -399,21 +673,25 @@ async def list_records(
     kind: Annotated[str | None, QueryParameter(name="type")] = None,
     publisher: FromQuery[str | None] = None,
     cursor: FromQuery[str | None] = None,
-    limit: FromQuery[int | None] = None,
-) -> dict[str, Any]:
+    limit: FromQuery[str | None] = None,
+) -> EntryPage:
     """Records (exactness, evaluation, pre-registration, replay) in log order; ``artifact`` keeps
     those that name the artifact (as subject, sample prefix, library entry or parent)."""
     registry = _registry(request)
+    if artifact is not None:
+        parse_digest_ref(artifact, what="artifact")
+    if kind is not None:
+        kind_of_filter(kind)
     page = await _run(
         registry.list_records, artifact=artifact, kind=kind, publisher=publisher, cursor=cursor, limit=_limit(registry, limit)
     )
-    return _page(page)
+    return _wire(EntryPage, _page(page))
 
 
 @get("/v1/publishers", guards=[read_guard], summary="Publishers and their keys")
-async def list_publishers(request: Request[Any, Any, Any]) -> dict[str, Any]:
+async def list_publishers(request: Request[Any, Any, Any]) -> PublisherList:
     """Every publisher with its registered key ids and public keys."""
-    return {"publishers": await _run(_registry(request).publishers)}
+    return _wire(PublisherList, {"publishers": await _run(_registry(request).publishers)})
 
 
 # --- admin (local operator only: authenticated by the secret in DATA/admin.json) ---------------
@@ -499,7 +777,16 @@ def create_app(data_dir: Path, settings: RegistrySettings | None = None) -> Lite
         try:
             await _run(write_admin_handle, registry.data, AdminHandle(url=settings.admin_url, secret=secret, pid=os.getpid()))
             app.state.registry = registry
+            # Both spellings of the data directory, longest first, so neither leaks into an answer.
+            app.state.scrub_roots = sorted({str(data_dir), str(data_dir.resolve())}, key=len, reverse=True)
             app.state.admin_secret_hash = hashlib.sha256(secret.encode("utf-8")).digest()
+            app.state.scrubber = None
+            if settings.scrub_interval > 0:
+                # Re-hashes every blob each scrub_interval seconds in a low-priority thread,
+                # quarantining rot; the stack stops and joins it before the registry closes.
+                app.state.scrubber = BlobScrubber(registry.blobs, settings.scrub_interval)
+                app.state.scrubber.start()
+                stack.callback(app.state.scrubber.stop)
             yield
         finally:
             with anyio.CancelScope(shield=True):
@@ -507,7 +794,7 @@ def create_app(data_dir: Path, settings: RegistrySettings | None = None) -> Lite
                 await anyio.to_thread.run_sync(stack.close)
             logger.info("registry %s closed", data_dir)
 
-    return Litestar(
+    app = Litestar(
         # The API under /v1 and /schema; the provenance browser under / and its assets under /static.
         route_handlers=[*ROUTES, ui_router(), static_router()],
         lifespan=[lifespan],
@@ -517,9 +804,10 @@ def create_app(data_dir: Path, settings: RegistrySettings | None = None) -> Lite
         # The app logs through "kvgraft.registry"; configuring the process's logging is the
         # caller's business (kvgraft serve does it), not the app's.
         logging_config=None,
-        openapi_config=OpenAPIConfig(
-            title="kvgraft registry",
-            version=kvgraft.__version__,
-            description="Signed KV artifacts and records, content-addressed blobs, and a transparency log.",
-        ),
+        # Wire models serialise with only the keys the service set: the same bytes as its dicts.
+        type_encoders={BaseModel: dump},
+        openapi_config=registry_openapi_config(settings, version=kvgraft.__version__),
     )
+    # Around the router, inside Litestar's send wrapper: its answers get the security headers too.
+    app.asgi_handler = HttpEdge(app, app.asgi_handler, settings)
+    return app

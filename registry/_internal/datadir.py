@@ -5,17 +5,23 @@
     DATA/registry-key.pub.pem   its public key, for 'kvgraft-verify log --registry-key'
     DATA/blobs/sha256/<hex>     content-addressed blobs
     DATA/blobs/tmp/             uploads in progress (emptied at start)
+    DATA/blobs/quarantine/      blobs found damaged, as <hex>.<UTC timestamp> (never served; see blobs.py)
     DATA/admin.json             while a server runs: its URL and admin secret (0600)
+    DATA/signed-head.json       the last tree head the registry signed, kept outside DuckDB
+                                so that a rolled-back database is refused (see service.py)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -36,6 +42,9 @@ from .errors import ConfigError, DataDirError
 KEY_FILE = "registry-key.pem"
 PUBLIC_KEY_FILE = "registry-key.pub.pem"
 ADMIN_FILE = "admin.json"
+SIGNED_HEAD_FILE = "signed-head.json"
+#: A signed head file is a few hundred bytes; anything much larger is not one.
+_MAX_SIGNED_HEAD_BYTES = 64 * 1024
 
 # c2sp.org/signed-note key names: no spaces, '+' or control characters. Kept to a sober subset.
 _ORIGIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@-]{0,254}", re.ASCII)
@@ -66,6 +75,11 @@ class DataDir:
     def admin_file(self) -> Path:
         """The running server's admin handle."""
         return self.root / ADMIN_FILE
+
+    @property
+    def signed_head_path(self) -> Path:
+        """The last tree head the registry signed (JSON, see ``write_signed_head``)."""
+        return self.root / SIGNED_HEAD_FILE
 
 
 def prepare(root: Path) -> DataDir:
@@ -185,3 +199,106 @@ def remove_admin_handle(data: DataDir, secret: str) -> None:
             os.unlink(data.admin_file)
         except FileNotFoundError:
             pass
+
+
+# --- the signed tree head, outside the database --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SignedHead:
+    """The last tree head a registry signed, as ``signed-head.json`` holds it.
+
+    File format (JSON object): ``origin`` (the log's name), ``tree_size`` (int >= 0),
+    ``root_hash`` (64 lowercase hex digits) and ``checkpoint`` (the signed note text, whose
+    signature the registry checks before trusting the other fields).
+    """
+
+    origin: str
+    tree_size: int
+    root_hash: bytes
+    checkpoint: bytes
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_signed_head(data: DataDir, head: SignedHead) -> None:
+    """Replace ``signed-head.json`` atomically and durably: temp file, fsync, rename, fsync of the directory.
+
+    A crash leaves the old file or the new one, never a mix; once this returns, the new head
+    survives a power loss. Raises ``OSError`` as the file system reports it.
+    """
+    doc = {
+        "origin": head.origin,
+        "tree_size": head.tree_size,
+        "root_hash": head.root_hash.hex(),
+        "checkpoint": head.checkpoint.decode("utf-8"),
+    }
+    raw = (json.dumps(doc, indent=2) + "\n").encode("utf-8")
+    path = data.signed_head_path
+    fd, tmp = tempfile.mkstemp(dir=data.root, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(data.root)
+
+
+def remove_stale_head_temps(data: DataDir) -> None:
+    """Delete temp files a crash left behind while writing ``signed-head.json``."""
+    for leftover in data.root.glob(f".{SIGNED_HEAD_FILE}.*.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            leftover.unlink()
+
+
+def read_signed_head(data: DataDir) -> SignedHead | None:
+    """The saved signed head, or None when the file does not exist.
+
+    Raises ``DataDirError`` when it exists but cannot be read or is not a signed head file
+    (its signature is the caller's to check).
+    """
+    path = data.signed_head_path
+    try:
+        with path.open("rb") as f:
+            raw = f.read(_MAX_SIGNED_HEAD_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise DataDirError(
+            f"cannot read {SIGNED_HEAD_FILE}: {e.strerror}", hint="run the registry as the user that owns its data"
+        ) from e
+    bad = DataDirError(
+        f"{SIGNED_HEAD_FILE} in the data directory is not a signed tree head file",
+        hint=f"restore {SIGNED_HEAD_FILE} from the backup registry.duckdb came from; the registry does not guess it",
+    )
+    if len(raw) > _MAX_SIGNED_HEAD_BYTES:
+        raise bad
+    try:
+        doc: Any = parse_json(raw, what=SIGNED_HEAD_FILE)
+    except DocumentError as e:
+        raise bad from e
+    if not isinstance(doc, dict):
+        raise bad
+    origin, size, root, note = doc.get("origin"), doc.get("tree_size"), doc.get("root_hash"), doc.get("checkpoint")
+    if (
+        not isinstance(origin, str)
+        or isinstance(size, bool)
+        or not isinstance(size, int)
+        or size < 0
+        or not isinstance(root, str)
+        or not re.fullmatch(r"[0-9a-f]{64}", root)
+        or not isinstance(note, str)
+    ):
+        raise bad
+    return SignedHead(origin=origin, tree_size=size, root_hash=bytes.fromhex(root), checkpoint=note.encode("utf-8"))

@@ -13,13 +13,14 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import duckdb
 
+from . import search
 from .errors import DatabaseLockedError, DataDirError, SchemaVersionError
 
 logger = logging.getLogger("kvgraft.registry")
@@ -29,11 +30,16 @@ DB_FILE = "registry.duckdb"
 
 @dataclass(frozen=True)
 class Migration:
-    """One schema step: applied once, in order, inside a transaction."""
+    """One schema step: applied once, in order, inside a transaction.
+
+    ``backfill``, when set, runs after the statements in the same transaction: it fills new
+    tables from existing rows with the same code that fills them for new entries.
+    """
 
     version: int
     description: str
     statements: tuple[str, ...]
+    backfill: Callable[[duckdb.DuckDBPyConnection], None] | None = None
 
 
 # Append new migrations; never edit an applied one (databases in the field have run it).
@@ -107,6 +113,8 @@ MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX entry_subjects_digest ON entry_subjects (digest)",
         ),
     ),
+    # Search by an index of words, not one substring scan of every text per query word.
+    Migration(2, "search index of artifacts' source text words", search.SEARCH_TABLE_DDL, backfill=search.backfill),
 )
 
 _LOCK_PID = re.compile(r"\(PID (\d+)\)")
@@ -173,12 +181,17 @@ class Database:
             raise DataDirError("the registry database was used after it was closed", hint="this is a bug in kvgraft")
         return self._conn
 
-    def close(self) -> None:
-        """Checkpoint and close the connection (idempotent)."""
+    def close(self, *, checkpoint: bool = True) -> None:
+        """Checkpoint and close the connection (idempotent).
+
+        With ``checkpoint=False`` the file and its WAL are left as they are (DuckDB's own
+        checkpoint on shutdown is turned off too): a database refused at start stays exactly
+        as it was found, for the operator to inspect or restore.
+        """
         with self.lock:
             if self._conn is not None:
                 with contextlib.suppress(duckdb.Error):
-                    self._conn.execute("CHECKPOINT")
+                    self._conn.execute("CHECKPOINT" if checkpoint else "PRAGMA disable_checkpoint_on_shutdown")
                 self._conn.close()
                 self._conn = None
 
@@ -232,6 +245,8 @@ class Database:
                 with self.transaction() as conn:
                     for statement in migration.statements:
                         conn.execute(statement)
+                    if migration.backfill is not None:
+                        migration.backfill(conn)
                     conn.execute(
                         "INSERT INTO schema_version VALUES (?, ?, ?)", [migration.version, migration.description, now_utc()]
                     )

@@ -6,6 +6,7 @@ them without re-serialising, and the payload is parsed only after a signature ho
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -40,11 +41,15 @@ from kvgraft.verifier import (
 
 from .errors import (
     BadRequestError,
+    DocumentTooDeepError,
+    InvalidLineageError,
     InvalidSignatureError,
     InvalidStatementError,
     KeyNotBoundError,
     MalformedEnvelopeError,
+    TooManySignaturesError,
 )
+from .settings import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_SIGNATURES
 
 #: The tensors file of a KV artifact (the engine's KV_FILE; the registry does not import the engine).
 KV_FILE = "kv.safetensors"
@@ -104,17 +109,64 @@ class IndexedStatement:
     pre_registration: tuple[str, int] | None = None
 
 
-def decode_envelope(body: bytes) -> Envelope:
-    """Parse the posted bytes as a DSSE envelope and check that its base64 decodes."""
+# A JSON string token (with its escapes), and the brackets that open and close a level.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_BRACKETS = bytes.maketrans(b"[{]}", b"(())")
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+
+
+def json_depth_within(data: bytes, limit: int) -> bool:
+    """True when the JSON text ``data`` nests at most ``limit`` levels of arrays and objects.
+
+    Runs before any parser sees the text, in time linear in its size and at C speed: strings
+    are dropped, the brackets kept, and innermost ``()`` pairs removed once per level. Text
+    whose brackets do not balance also answers False after ``limit`` rounds (it is not JSON).
+    """
+    shape = _JSON_STRING.sub(b"", data).translate(_BRACKETS, _NOT_BRACKETS)
+    for _ in range(limit):
+        if not shape:
+            return True
+        shorter = shape.replace(b"()", b"")
+        if len(shorter) == len(shape):
+            return False
+        shape = shorter
+    return not shape
+
+
+def decode_envelope(
+    body: bytes, *, max_signatures: int = DEFAULT_MAX_SIGNATURES, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+) -> Envelope:
+    """Parse the posted bytes as a DSSE envelope and check that its base64 decodes.
+
+    Refuses, before any signature is verified: an envelope or a payload nesting deeper than
+    ``max_json_depth`` (``DocumentTooDeepError``, 400), more than ``max_signatures``
+    signatures (``TooManySignaturesError``, 413), anything that is not a DSSE envelope (400).
+    """
     if not body:
         raise MalformedEnvelopeError("the request body is empty; it must be a DSSE envelope (JSON)")
+    if not json_depth_within(body, max_json_depth):
+        raise DocumentTooDeepError(
+            f"the posted envelope nests deeper than {max_json_depth} levels (or its brackets do not balance)",
+            extra={"limit": max_json_depth},
+        )
     try:
         envelope = parse_envelope(body, source="the posted envelope")
-        b64decode_any(envelope.payload, what="the envelope's payload")
+        if len(envelope.signatures) > max_signatures:
+            raise TooManySignaturesError(
+                f"the envelope carries {len(envelope.signatures)} signatures; this registry verifies at most "
+                f"{max_signatures} per envelope",
+                extra={"limit": max_signatures},
+            )
+        payload = b64decode_any(envelope.payload, what="the envelope's payload")
         for i, sig in enumerate(envelope.signatures):
             b64decode_any(sig.sig, what=f"the envelope's signature {i}")
     except MalformedInputError as e:
         raise MalformedEnvelopeError(e.message) from e
+    if not json_depth_within(payload, max_json_depth):
+        raise DocumentTooDeepError(
+            f"the envelope's payload nests deeper than {max_json_depth} levels (or its brackets do not balance)",
+            extra={"limit": max_json_depth},
+        )
     return envelope
 
 
@@ -189,6 +241,7 @@ def index_statement(statement: Statement) -> IndexedStatement:
                 hint="post the statement 'kvgraft capture' wrote",
             )
         p = statement.predicate
+        _check_span(p.positions.start, p.positions.end, len(p.tokens.ids), parent=p.parent, digest=by_name[KV_FILE])
         if p.parent is not None:
             # The parent's tensors: a child is useless without them.
             required.append(p.parent.removeprefix("sha256:"))
@@ -224,3 +277,21 @@ def index_statement(statement: Statement) -> IndexedStatement:
         artifact=artifact,
         pre_registration=pre_registration,
     )
+
+
+def _check_span(start: int, end: int, tokens: int, *, parent: str | None, digest: str) -> None:
+    """What an artifact's own statement must say about its span: the checks that need no other entry.
+
+    A KV artifact covers ``[start, end)``, at least one position, one token id per position;
+    a root starts at 0 (a child's start is checked against its parent's entry at publish).
+    """
+    if end <= start:
+        raise InvalidLineageError(f"the artifact covers no positions: its range [{start}, {end}) is empty")
+    if tokens != end - start:
+        raise InvalidLineageError(
+            f"the artifact's positions [{start}, {end}) cover {end - start} tokens, but it lists {tokens} token ids"
+        )
+    if parent is None and start != 0:
+        raise InvalidLineageError(f"the artifact has no parent, so it must start at position 0; it starts at {start}")
+    if parent == digest:
+        raise InvalidLineageError(f"the artifact {digest} names itself as its parent: a lineage cycle")

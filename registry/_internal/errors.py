@@ -7,29 +7,27 @@ so the app maps an exception to its response by class alone. Every error carries
 
 from __future__ import annotations
 
+import errno as errno_names
 from typing import Any
+
+from kvgraft.schemas import KvgraftError
 
 #: Problem ``type`` URIs are this prefix plus the class's slug (RFC 9457 section 3.1.1).
 PROBLEM_BASE = "https://kvgraft.dev/problems/"
 
 
-class RegistryError(Exception):
-    """Base class of every failure the registry reports."""
+class RegistryError(KvgraftError):
+    """Base class of every failure the registry reports (a ``kvgraft.KvgraftError``)."""
 
     status_code: int = 500
     slug: str = "registry-error"
     title: str = "Registry error"
-    default_hint: str = "retry; if it persists, report it to the registry's operator"
+    default_hint: str | None = "retry; if it persists, report it to the registry's operator"
 
     def __init__(self, message: str, *, hint: str | None = None, extra: dict[str, Any] | None = None) -> None:
-        self.message = message
-        self.hint = hint if hint is not None else self.default_hint
+        super().__init__(message, hint=hint)
         #: Extension members added to the problem document (RFC 9457 section 3.2).
         self.extra: dict[str, Any] = dict(extra or {})
-        super().__init__(message)
-
-    def __str__(self) -> str:
-        return " ".join(f"{self.message} (hint: {self.hint})".split())
 
     @property
     def problem_type(self) -> str:
@@ -85,6 +83,22 @@ class InvalidNameError(BadRequestError):
     slug = "invalid-name"
     title = "Invalid name"
     default_hint = "use 1 to 64 characters: lowercase letters, digits, '.', '_' and '-', starting with a letter or digit"
+
+
+class QueryTooLargeError(BadRequestError):
+    """A search query is longer, or names more words, than the registry's limits."""
+
+    slug = "query-too-large"
+    title = "Search query too large"
+    default_hint = "search for a few words of the source text"
+
+
+class DocumentTooDeepError(BadRequestError):
+    """Posted JSON (an envelope, or the statement inside it) nests deeper than the registry's limit."""
+
+    slug = "too-deep"
+    title = "JSON nests too deep"
+    default_hint = "post the envelope kvgraft wrote; kvgraft statements nest a few levels deep"
 
 
 # --- 401 / 403 ---------------------------------------------------------------------------------
@@ -152,6 +166,14 @@ class BlobNotFoundError(NotFoundError):
     default_hint = "upload it with PUT /v1/blobs/sha256:<hex>, or check the digest"
 
 
+class BlobQuarantinedError(BlobNotFoundError):
+    """The stored blob no longer hashed to its digest (rot on disk) and was moved aside; not served."""
+
+    slug = "blob-quarantined"
+    title = "Blob quarantined"
+    default_hint = "upload the right bytes again with PUT /v1/blobs/sha256:<hex>: that repairs it"
+
+
 class EntryNotFoundError(NotFoundError):
     """No log entry has that index or digest."""
 
@@ -212,6 +234,14 @@ class PayloadTooLargeError(RegistryError):
     default_hint = "the limits are the registry's settings; ask its operator"
 
 
+class TooManySignaturesError(PayloadTooLargeError):
+    """A posted envelope carries more signatures than the registry verifies."""
+
+    slug = "too-many-signatures"
+    title = "Too many signatures"
+    default_hint = "sign with the few keys a threshold needs; the limit is the registry's --max-signatures"
+
+
 class RangeNotSatisfiableError(RegistryError):
     """No requested byte range overlaps the blob."""
 
@@ -265,6 +295,17 @@ class InvalidStatementError(RegistryError):
     )
 
 
+class InvalidLineageError(InvalidStatementError):
+    """A KV artifact's lineage does not join up: no parent entry, a gap, a cycle, no tokens, too deep."""
+
+    slug = "invalid-lineage"
+    title = "Artifact lineage does not join up"
+    default_hint = (
+        "publish the parent first, and capture the child from it ('kvgraft capture --parent'): a child starts at its "
+        "parent's end and covers at least one token"
+    )
+
+
 # --- operational (no HTTP request involved, or the server's own state) -------------------------
 
 
@@ -301,6 +342,25 @@ class LogIntegrityError(DataDirError):
     default_hint = "restore the data directory from a backup; do not serve a log that disagrees with its checkpoints"
 
 
+class LogRollbackError(LogIntegrityError):
+    """The database's log is behind, or differs from, the last tree head this registry signed (signed-head.json)."""
+
+    slug = "log-rollback"
+    title = "Log rolled back"
+    default_hint = (
+        "restore registry.duckdb (with its .wal) from a backup taken at or after that tree size; never delete "
+        "signed-head.json to get past this: clients that saw the newer checkpoint would see a forked log"
+    )
+
+
+class SignedHeadWriteError(RegistryError):
+    """The signed tree head could not be saved beside the database; the entry is recorded but not yet announced."""
+
+    slug = "signed-head-write"
+    title = "Signed tree head not saved"
+    default_hint = "free disk space or fix the data directory's permissions, then post the envelope again (idempotent)"
+
+
 class ConfigError(DataDirError):
     """A setting conflicts with the data directory (e.g. a different origin)."""
 
@@ -316,3 +376,59 @@ class AdminUnavailableError(DataDirError):
     slug = "admin-unavailable"
     title = "Admin interface unavailable"
     default_hint = "check that the server is running and that admin.json in the data directory is current"
+
+
+# --- request size and storage (the HTTP edge) ----------------------------------------------------
+
+
+class HeadersTooLargeError(RegistryError):
+    """The request's headers are larger, or more numerous, than the registry accepts."""
+
+    status_code = 431
+    slug = "headers-too-large"
+    title = "Request header fields too large"
+    default_hint = "send fewer and shorter headers; the limits are the registry's max_header_bytes and max_header_count"
+
+
+class InsufficientStorageError(RegistryError):
+    """The registry's disk (or quota) is full: nothing was stored."""
+
+    status_code = 507
+    slug = "insufficient-storage"
+    title = "Insufficient storage"
+    default_hint = "retry later; the registry's operator must free disk space (nothing of this request was kept)"
+
+
+class StorageUnavailableError(RegistryError):
+    """The registry's data directory cannot be written (read-only file system, permissions)."""
+
+    status_code = 503
+    slug = "storage-unavailable"
+    title = "Storage unavailable"
+    default_hint = "retry later; the registry's operator must make its data directory writable again"
+
+
+#: errno values (by name, as the ``errno`` module spells them) meaning the disk or quota is full.
+_FULL_ERRNOS = ("ENOSPC", "EDQUOT", "EFBIG")
+#: errno values meaning the data directory cannot be written at all.
+_UNWRITABLE_ERRNOS = ("EROFS", "EACCES", "EPERM")
+#: How DuckDB and other libraries word the same failures in their own exceptions' messages.
+_FULL_WORDS = ("no space left on device", "disk quota exceeded", "file too large")
+_UNWRITABLE_WORDS = ("read-only file system", "permission denied", "operation not permitted")
+
+
+def storage_error(exc: BaseException, what: str) -> RegistryError | None:
+    """The 507/503 error that ``exc`` (an ``OSError``, or a library error wrapping one) stands for.
+
+    ``what`` says what failed ("the blob could not be stored"). None when ``exc`` is not a
+    storage failure. The message names no file: paths stay in the server log.
+    """
+    code = exc.errno if isinstance(exc, OSError) else None
+    text = str(exc).lower()
+    if code in {getattr(errno_names, n, -1) for n in _FULL_ERRNOS} or (code is None and any(w in text for w in _FULL_WORDS)):
+        return InsufficientStorageError(f"{what}: the registry's disk is full")
+    if code in {getattr(errno_names, n, -1) for n in _UNWRITABLE_ERRNOS} or (
+        code is None and any(w in text for w in _UNWRITABLE_WORDS)
+    ):
+        return StorageUnavailableError(f"{what}: the registry's data directory is not writable")
+    return None

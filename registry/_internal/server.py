@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import ipaddress
+import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, HeadersTooLargeError
 from .service import Registry
 from .settings import RegistrySettings
 
@@ -25,6 +28,112 @@ def local_url(host: str, port: int) -> str:
     except ValueError:
         pass  # a host name
     return f"http://{host}:{port}"
+
+
+def _refusal(exc: HeadersTooLargeError) -> bytes:
+    """A complete HTTP/1.1 431 answer with an RFC 9457 problem body, closing the connection."""
+    body = json.dumps(
+        {"type": exc.problem_type, "title": exc.title, "status": exc.status_code, "detail": exc.message, "hint": exc.hint}
+    ).encode("utf-8")
+    head = (
+        f"HTTP/1.1 {exc.status_code} Request Header Fields Too Large\r\n"
+        "content-type: application/problem+json\r\n"
+        f"content-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+def header_limited_protocol(max_header_bytes: int, max_header_count: int) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol, refusing a request head past the limits while it arrives.
+
+    httptools gathers a header value by repeated ``bytes +=`` (quadratic in its length) and
+    uvicorn keeps every header: without a bound, one 128 MiB header or 20,000 small ones cost
+    seconds of the event loop and stall every other connection. This protocol counts the head's
+    bytes as they are received (request line and headers, until the parser reports the headers
+    complete) and the headers as they are parsed; past ``max_header_bytes`` or
+    ``max_header_count`` it answers 431 with a problem document and closes the connection, so the
+    rest of the head is never parsed. The app checks the same limits again (``HttpEdge``).
+    """
+    import httptools
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class _HeadTooLarge(Exception):
+        def __init__(self, error: HeadersTooLargeError) -> None:
+            super().__init__(error.message)
+            self.error = error
+
+    class HeaderLimitedProtocol(HttpToolsProtocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._head_open = True
+            self._head_bytes = 0
+            self._head_count = 0
+            self._refused = False
+            self._pending: HeadersTooLargeError | None = None
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
+            if self._head_open:
+                self._head_bytes += len(data)
+            # A callback's _HeadTooLarge reaches uvicorn as a parser error: send_400_response answers 431.
+            super().data_received(data)
+            # Still inside the head after all of this chunk: every byte received was head.
+            if not self._refused and self._head_open and self._head_bytes > max_header_bytes:
+                self._refuse(HeadersTooLargeError(
+                    f"the request's head is over {max_header_bytes} bytes; this registry accepts at most {max_header_bytes}"
+                ))
+
+        def send_400_response(self, msg: str) -> None:
+            # A parser callback that raised _HeadTooLarge surfaces as a parser error: answer 431.
+            cause = self._pending
+            if cause is not None:
+                self._pending = None
+                self._refuse(cause)
+                return
+            super().send_400_response(msg)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head_open = True
+            self._head_count = 0
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._head_count += 1
+            if self._head_count > max_header_count:
+                self._pending = HeadersTooLargeError(
+                    f"the request has more than {max_header_count} headers; this registry accepts at most {max_header_count}"
+                )
+                raise _HeadTooLarge(self._pending)
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._head_open = False
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            # The next request on this connection starts a new head.
+            self._head_open = True
+            self._head_bytes = 0
+
+        def _refuse(self, error: HeadersTooLargeError) -> None:
+            self._refused = True
+            self.logger.warning("request refused: %s", error.message)
+            if not self.transport.is_closing():
+                self.transport.write(_refusal(error))
+                self.transport.close()
+
+    del httptools  # imported only to fail here, not inside uvicorn, when it is missing
+    return HeaderLimitedProtocol
+
+
+def _http_protocol(settings: RegistrySettings) -> type[asyncio.Protocol] | str:
+    try:
+        return header_limited_protocol(settings.max_header_bytes, settings.max_header_count)
+    except ImportError:
+        return "h11"
 
 
 def serve(data_dir: Path, *, host: str, port: int, settings: RegistrySettings, log_level: str = "info") -> bool:
@@ -56,6 +165,10 @@ def serve(data_dir: Path, *, host: str, port: int, settings: RegistrySettings, l
             log_level=log_level,
             lifespan="on",
             server_header=False,
+            # httptools, bounded in head size and header count (see header_limited_protocol); the h11
+            # fallback bounds the head by h11's own limit.
+            http=_http_protocol(settings),
+            h11_max_incomplete_event_size=settings.max_header_bytes,
             # A client stuck mid-download must not keep a stopping server up for long.
             timeout_graceful_shutdown=10,
         )

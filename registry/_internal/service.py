@@ -1,18 +1,26 @@
 """The registry service: database, transparency log, blob store and accounts behind one lock.
 
 Every method is blocking and thread-safe; the app calls them from worker threads. Publishing
-holds the database lock from the token check to the commit, so a revocation, a concurrent
-publish or a crash can never interleave with it: the entry row, its log leaf and the new
-signed checkpoint are committed together or not at all.
+verifies the envelope's signatures first, without the database lock (that is the costly
+part, and a stranger's envelope must not stall other requests), then holds the lock from a
+fresh token check to the commit, so a revocation, a concurrent publish or a crash can never
+interleave with it: the entry row, its log leaf and the new signed checkpoint are committed
+together or not at all.
+
+The log cannot fork. After each commit, and before the publish is answered, the new tree
+head is written (fsynced) to ``signed-head.json`` beside the database. At start the registry
+refuses a database whose tree is smaller than that head, or whose root at that size differs
+(``LogRollbackError``): a lost WAL or a restored older copy would otherwise make it sign a
+second, different tree of a size it already signed. A database ahead of the file (a crash
+between the commit and the file write) is fine: the file is advanced to the database's head.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import hashlib
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,22 +38,47 @@ from kvgraft.verifier import (
     public_key_pem,
 )
 
+from . import search
 from .accounts import Accounts, TokenInfo
 from .blobs import BlobStore, parse_digest_ref
-from .datadir import DataDir, check_registry_key, ensure_registry_key, prepare, resolve_origin
+from .datadir import (
+    SIGNED_HEAD_FILE,
+    DataDir,
+    SignedHead,
+    check_registry_key,
+    ensure_registry_key,
+    prepare,
+    read_signed_head,
+    remove_stale_head_temps,
+    resolve_origin,
+    write_signed_head,
+)
 from .db import Database, now_utc
-from .entries import RECORD_KINDS, IndexedStatement, decode_envelope, index_statement, kind_of_filter, verify_for_token
+from .entries import (
+    RECORD_KINDS,
+    ArtifactFields,
+    IndexedStatement,
+    decode_envelope,
+    index_statement,
+    kind_of_filter,
+    verify_for_token,
+)
 from .errors import (
     ArtifactNotFoundError,
     BadRequestError,
     EntryNotFoundError,
+    InvalidLineageError,
     InvalidStatementError,
+    KeyNotBoundError,
     LogIntegrityError,
+    LogRollbackError,
     MissingBlobsError,
     MissingReferenceError,
     NotFoundError,
     RegistryError,
+    SignedHeadWriteError,
     TokenRevokedError,
+    storage_error,
 )
 from .log import LogHead, TransparencyLog, format_vkey, hash_leaf, verify_checkpoint
 from .ratelimit import RateLimiter
@@ -58,9 +91,11 @@ _ENTRY_COLUMNS = (
     "octet_length(envelope), artifact_digest, model_name, model_weights_digest, model_config_digest, profile_name, "
     "parent, chain_key, position_start, position_end, source_text, source_text_digest"
 )
-#: Lineage walks stop here: no real chain is this long, and a cycle cannot hang a request.
-_MAX_LINEAGE = 10_000
 _MAX_CHILDREN = 1_000
+#: A log index in a path: ASCII digits only (str.isdigit() also takes '³' and '٣'), at most 19 (BIGINT).
+_INDEX_REF = re.compile(r"[0-9]{1,19}", re.ASCII)
+#: The meta key recording that this database has written signed-head.json at least once.
+_HEAD_FILE_META = "signed_head_file"
 _TEXT_PREVIEW = 200
 
 
@@ -80,26 +115,26 @@ class Published:
     created: bool
 
 
+#: A cursor is the decimal log index the next page continues after: any such number is a valid
+#: cursor (the page after it may be empty), so the API's schema can say exactly what it accepts.
+_CURSOR = re.compile(r"(?:0|[1-9][0-9]{0,18})", re.ASCII)
+
+
 def encode_cursor(log_index: int) -> str:
-    """An opaque cursor meaning "after entry ``log_index``" (stable: the log only grows)."""
-    return base64.urlsafe_b64encode(f"after:{log_index}".encode("ascii")).decode("ascii").rstrip("=")
+    """The cursor meaning "after entry ``log_index``" (stable: the log only grows): its decimal."""
+    return str(log_index)
 
 
 def decode_cursor(cursor: str | None) -> int:
-    """The log index a cursor continues after (-1 for the first page)."""
+    """The log index a cursor continues after (-1 for the first page, no cursor or an empty one)."""
     if cursor is None or cursor == "":
         return -1
-    try:
-        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode("ascii")
-        kind, _, value = text.partition(":")
-        if kind != "after" or not value.isdigit():
-            raise ValueError(text)
-        return int(value)
-    except (ValueError, binascii.Error, UnicodeDecodeError) as e:
+    if _CURSOR.fullmatch(cursor) is None:
         raise BadRequestError(
             f"cursor {cursor[:40]!r} is not one this registry issued",
             hint="pass next_cursor from the previous page unchanged, or no cursor for the first page",
-        ) from e
+        )
+    return int(cursor)
 
 
 def _digest_of(data: bytes) -> str:
@@ -132,6 +167,7 @@ class Registry:
         """
         data = prepare(root)
         db = Database.open(root, wait_seconds=settings.lock_wait_seconds)
+        started = False
         try:
             # Under the database lock, so two first starts cannot both create a key.
             public = ensure_registry_key(data)
@@ -144,11 +180,18 @@ class Registry:
             blobs.prepare()
             with open_signing_key(data.key_path) as key:
                 log = TransparencyLog(origin, key, _load_leaves(db))
-                head = _check_head(db, log)
+                # The database must agree with itself, then with the head saved outside it, before
+                # anything is signed (an empty database gets checkpoint 0 signed here).
+                stored = _stored_head(db, log)
+                saved = _check_signed_head(data, db, log)
+                head = stored if stored is not None else _sign_empty(db, log)
+                _advance_signed_head(data, db, log, head, saved)
                 logger.info("registry %s: log %s at size %d", root, origin, log.size)
+                started = True
                 yield cls(data, db, log, blobs, settings, head)
         finally:
-            db.close()
+            # A refused start leaves the database file and its WAL untouched.
+            db.close(checkpoint=started)
 
     # --- the log ---------------------------------------------------------------------------
 
@@ -160,17 +203,18 @@ class Registry:
 
     def checkpoint(self, tree_size: int | None = None) -> bytes:
         """The signed checkpoint note at ``tree_size`` (default: the latest)."""
+        head = self.head
         if tree_size is None:
-            return self.head.note
+            return head.note
         # Checked before the query: DuckDB refuses integers past 128 bits with an error of its own.
         row = (
             self.db.query_one("SELECT note FROM checkpoints WHERE tree_size = ?", [tree_size])
-            if 0 <= tree_size <= self.log.size
+            if 0 <= tree_size <= head.size
             else None
         )
         if row is None:
             raise NotFoundError(
-                f"no checkpoint was signed at tree size {tree_size} (the log has {self.log.size} entries)",
+                f"no checkpoint was signed at tree size {tree_size} (the log has {head.size} entries)",
                 hint="ask for a size between 0 and the latest checkpoint's",
             )
         return bytes(row[0])
@@ -187,14 +231,29 @@ class Registry:
         }
 
     def inclusion_proof(self, index: int, tree_size: int | None) -> dict[str, Any]:
-        """The inclusion proof document of entry ``index`` (tree size default: the latest)."""
+        """The inclusion proof document of entry ``index`` (tree size default: the latest).
+
+        Sizes and indices outside the announced log are a 400, however large the number.
+        """
         with self.db.lock:
-            return self.log.inclusion(index, tree_size)
+            return self.log.inclusion(index, self._announced(tree_size))
 
     def consistency_proof(self, old: int, new: int | None) -> dict[str, Any]:
         """The consistency proof document between two tree sizes (new default: the latest)."""
         with self.db.lock:
-            return self.log.consistency(old, new)
+            return self.log.consistency(old, self._announced(new))
+
+    def _announced(self, tree_size: int | None) -> int:
+        # Proofs are for tree sizes a checkpoint was handed out for: never past the saved head.
+        head = self._head.size
+        if tree_size is None:
+            return head
+        if not 0 <= tree_size <= head:
+            raise BadRequestError(
+                f"tree size {tree_size} is outside the log, which has {head} entries",
+                hint="ask for a tree size no larger than the latest checkpoint's",
+            )
+        return tree_size
 
     # --- publishing ------------------------------------------------------------------------
 
@@ -209,18 +268,28 @@ class Registry:
 
         Idempotent: the same bytes again return the existing entry with ``created`` False.
         """
-        envelope = decode_envelope(body)
+        settings = self.settings
+        # Size, depth and signature count are refused before a single signature is verified.
+        envelope = decode_envelope(body, max_signatures=settings.max_signatures, max_json_depth=settings.max_json_depth)
         digest = _digest_of(body)
+        # The verification runs without the database lock: each key query below takes it only
+        # for its own statement, so a slow envelope stalls no other request.
+        bound, registered = self.accounts.bound_keys(token), self.accounts.registered_keys()
+        verified, statement = verify_for_token(envelope, bound, registered)
+        indexed = index_statement(statement)
+        signers = [k.keyid for k in verified.signers]
         with self.db.lock:
             # Re-read the token under the lock: a revocation that committed before this point
             # refuses the publish, one after it comes after the entry in every sense.
             current = self.accounts.authenticate_id(token.token_id)
             if current is None:
                 raise TokenRevokedError(f"token {token.token_id} was revoked")
-            registered = self.accounts.registered_keys()
-            bound = self.accounts.bound_keys(current)
-            verified, statement = verify_for_token(envelope, bound, registered)
-            indexed = index_statement(statement)
+            still_bound = {k.keyid for k in self.accounts.bound_keys(current)}
+            unbound = [k for k in signers if k not in still_bound]
+            if unbound:
+                raise KeyNotBoundError(
+                    f"key {unbound[0][:16]}... signed the envelope, but this token is no longer bound to it"
+                )
             existing = self.db.query_one("SELECT log_index FROM entries WHERE digest = ?", [digest])
             if existing is not None:
                 return Published(self._entry_document(int(existing[0])), created=False)
@@ -231,11 +300,51 @@ class Registry:
                     f"the statement names {len(missing)} blob(s) this registry does not hold: {shown}",
                     extra={"missing": ["sha256:" + h for h in missing]},
                 )
+            if indexed.artifact is not None:
+                self._check_lineage(indexed.artifact)
             if indexed.pre_registration is not None:
                 self._check_pre_registration(*indexed.pre_registration)
-            index = self._append(body, digest, envelope.payload_type, indexed, current, [k.keyid for k in verified.signers])
+            index = self._append(body, digest, envelope.payload_type, indexed, current, signers)
             logger.info("entry %d: %s %s by %s", index, indexed.kind, digest, current.publisher)
             return Published(self._entry_document(index), created=True)
+
+    def _check_lineage(self, artifact: ArtifactFields) -> None:
+        """Refuse a child that does not join its parent: no parent entry, a gap, a cycle, too deep.
+
+        The parent is described by its first entry (as every lineage view describes it). The
+        walk up from the parent is bounded by ``max_lineage_depth`` and keeps a visited set,
+        so even a cycle in old data ends it.
+        """
+        if artifact.parent is None:
+            return
+        limit = self.settings.max_lineage_depth
+        parent_row = self._first_artifact_row(artifact.parent)
+        if parent_row is None:
+            raise InvalidLineageError(
+                f"the artifact's parent {artifact.parent} has no entry in this log",
+                hint="publish the parent artifact's statement first, then its children",
+            )
+        parent_end = int(parent_row[18])
+        if artifact.position_start != parent_end:
+            raise InvalidLineageError(
+                f"the artifact starts at position {artifact.position_start}, but its parent {artifact.parent} "
+                f"ends at position {parent_end}: a child must start where its parent ends"
+            )
+        depth, seen, current = 1, {artifact.digest}, parent_row
+        while current is not None:
+            if current[10] in seen:
+                raise InvalidLineageError(
+                    f"the artifact's parent chain reaches {current[10]} twice: publishing it would make a lineage cycle"
+                )
+            seen.add(current[10])
+            if depth > limit:
+                raise InvalidLineageError(
+                    f"the artifact's parent chain is more than {limit} artifacts deep",
+                    hint=f"start a new root artifact; lineages here are at most {limit} deep (max_lineage_depth)",
+                    extra={"limit": limit},
+                )
+            depth += 1
+            current = None if current[15] is None else self._first_artifact_row(current[15])
 
     def _check_pre_registration(self, digest: str, log_index: int) -> None:
         row = self.db.query_one("SELECT log_index, kind FROM entries WHERE digest = ?", [digest])
@@ -272,6 +381,8 @@ class Registry:
                     conn.execute("INSERT INTO entry_subjects VALUES (?, ?, ?)", [index, name, subject_digest])
                 for ref, role in indexed.refs:
                     conn.execute("INSERT INTO entry_refs VALUES (?, ?, ?)", [index, ref, role])
+                if a is not None:
+                    search.index_terms(conn, index, a.source_text)
                 conn.execute(
                     "INSERT INTO checkpoints VALUES (?, ?, ?, ?)", [head.size, head.root_hash, head.note, now_utc()]
                 )
@@ -280,8 +391,19 @@ class Registry:
             # in-memory tree must forget the leaf too.
             self.log.reset(_load_leaves(self.db))
             if isinstance(e, duckdb.Error):
-                raise RegistryError(f"the entry could not be recorded: {e}") from e
+                raise storage_error(e, "the entry could not be recorded") or RegistryError(
+                    "the entry could not be recorded: the database refused it"
+                ) from e
             raise
+        # Committed. The head is announced (to readers, and to this publisher) only once it is
+        # durable outside the database too; if that write fails the entry stays recorded but
+        # unannounced, and the next publish (or restart) announces it with its successor.
+        try:
+            write_signed_head(self.data, _signed(self.log.origin, head))
+        except OSError as e:
+            logger.error("entry %d committed, but %s could not be written: %s", index, SIGNED_HEAD_FILE, e)
+            what = "the entry was recorded but its signed tree head could not be saved"
+            raise storage_error(e, what) or SignedHeadWriteError(f"{what} ({e.strerror})") from e
         self._head = head
         return index
 
@@ -313,10 +435,11 @@ class Registry:
     def resolve_entry(self, ref: str) -> int:
         """The log index named by ``ref``: a decimal index or ``sha256:<hex>`` of the envelope."""
         with self.db.lock:
-            if ref.isdigit() and len(ref) <= 20:
+            if _INDEX_REF.fullmatch(ref):
                 index = int(ref)
-                if index >= self.log.size:
-                    raise EntryNotFoundError(f"the log has {self.log.size} entries; there is no entry {index}")
+                size = self._head.size
+                if index >= size:
+                    raise EntryNotFoundError(f"the log has {size} entries; there is no entry {index}")
                 return index
             if ref.startswith("sha256:"):
                 parse_digest_ref(ref, what="entry digest")
@@ -326,7 +449,7 @@ class Registry:
                 return int(row[0])
         raise BadRequestError(
             f"{ref[:80]!r} names no entry",
-            hint="use a log index (0, 1, ...) or the envelope's digest sha256:<64 lowercase hex>",
+            hint="use a log index (ASCII digits: 0, 1, ...) or the envelope's digest sha256:<64 lowercase hex>",
         )
 
     def _entry_document(self, index: int) -> dict[str, Any]:
@@ -395,10 +518,12 @@ class Registry:
                 parse_digest_ref(parent, what="parent")
                 where.append("parent = ?")
                 params.append(parent)
-        for term in (q or "").split():
-            # contains() takes the term literally (no LIKE wildcards to escape).
-            where.append("contains(lower(source_text), ?)")
-            params.append(term.lower())
+        # Bounded before the lock: a refused query never reaches the database.
+        s = self.settings
+        found = search.search_condition(q, max_terms=s.max_search_terms, max_length=s.max_query_length)
+        if found is not None:
+            where.append(found[0])
+            params.extend(found[1])
         with self.db.lock:
             rows = self._entry_rows(" AND ".join(where), params, limit + 1)
             return self._page([_artifact_summary(r) for r in rows[:limit]], rows, limit)
@@ -433,7 +558,7 @@ class Registry:
         parents: list[dict[str, Any]] = []
         seen = {row[10]}
         current = row[15]
-        while current is not None and len(parents) < _MAX_LINEAGE:
+        while current is not None and len(parents) < self.settings.max_lineage_depth:
             if current in seen:
                 logger.error("artifact lineage of %s has a cycle at %s", row[10], current)
                 break
@@ -496,15 +621,20 @@ def _load_leaves(db: Database) -> list[bytes]:
     return leaves
 
 
-def _check_head(db: Database, log: TransparencyLog) -> LogHead:
+def _sign_empty(db: Database, log: TransparencyLog) -> LogHead:
+    head = log.sign(0)
+    with db.transaction() as conn:
+        conn.execute("INSERT INTO checkpoints VALUES (?, ?, ?, ?)", [0, head.root_hash, head.note, now_utc()])
+    return head
+
+
+def _stored_head(db: Database, log: TransparencyLog) -> LogHead | None:
+    """The database's latest checkpoint, checked against its entries and the key; None for a new log."""
     row = db.query_one("SELECT tree_size, root_hash, note FROM checkpoints ORDER BY tree_size DESC LIMIT 1")
     if row is None:
         if log.size:
             raise LogIntegrityError(f"the log has {log.size} entries but no checkpoint")
-        head = log.sign(0)
-        with db.transaction() as conn:
-            conn.execute("INSERT INTO checkpoints VALUES (?, ?, ?, ?)", [0, head.root_hash, head.note, now_utc()])
-        return head
+        return None
     size, root, note = int(row[0]), bytes(row[1]), bytes(row[2])
     if size != log.size or root != log.root():
         raise LogIntegrityError(
@@ -516,6 +646,78 @@ def _check_head(db: Database, log: TransparencyLog) -> LogHead:
     except (LogProofError, MalformedInputError) as e:
         raise LogIntegrityError(f"the latest stored checkpoint does not verify with the registry key: {e.message}") from e
     return LogHead(size=size, root_hash=root, note=note)
+
+
+def _signed(origin: str, head: LogHead) -> SignedHead:
+    return SignedHead(origin=origin, tree_size=head.size, root_hash=head.root_hash, checkpoint=head.note)
+
+
+def _check_signed_head(data: DataDir, db: Database, log: TransparencyLog) -> SignedHead | None:
+    """Refuse a database behind, or different from, the last tree head this registry signed.
+
+    Returns the saved head (None when there is none yet: a new data directory, or one made
+    before heads were saved). Raises ``LogRollbackError`` (one line: what happened, how to
+    recover) when the database's tree is smaller than the saved head, its root at that size
+    differs, or the file was removed from a database that had written one.
+    """
+    remove_stale_head_temps(data)
+    saved = read_signed_head(data)
+    if saved is None:
+        if db.get_meta(_HEAD_FILE_META) is not None:
+            raise LogRollbackError(
+                f"{SIGNED_HEAD_FILE} is missing from the data directory, but this database has written one: "
+                "without it the registry cannot tell whether the database was rolled back",
+                hint=f"restore {SIGNED_HEAD_FILE} from the backup registry.duckdb came from; do not start without it",
+            )
+        return None
+    try:
+        checkpoint = verify_checkpoint(saved.checkpoint, log.origin, log.public_key, origin=log.origin)
+    except (LogProofError, MalformedInputError) as e:
+        raise LogRollbackError(
+            f"{SIGNED_HEAD_FILE} holds a checkpoint that does not verify as this log's ({log.origin}): {e.message}",
+            hint=f"restore {SIGNED_HEAD_FILE} from the same backup as registry.duckdb and the registry key",
+        ) from e
+    if (checkpoint.size, checkpoint.root_hash) != (saved.tree_size, saved.root_hash) or saved.origin != log.origin:
+        raise LogRollbackError(
+            f"{SIGNED_HEAD_FILE} names tree size {saved.tree_size} (log {saved.origin!r}), but its signed "
+            f"checkpoint is for size {checkpoint.size} of log {log.origin!r}",
+            hint=f"restore {SIGNED_HEAD_FILE} from the same backup as registry.duckdb",
+        )
+    if log.size < checkpoint.size:
+        raise LogRollbackError(
+            f"the database holds {log.size} log entries, but this registry already signed a checkpoint at tree size "
+            f"{checkpoint.size} ({SIGNED_HEAD_FILE}): the database was rolled back or lost committed writes "
+            "(a deleted or truncated WAL, an older copy restored); serving it would fork the log",
+            hint=f"restore registry.duckdb (with its .wal) from a backup taken at tree size {checkpoint.size} or "
+            f"later; never delete {SIGNED_HEAD_FILE} to get past this: clients that saw size {checkpoint.size} "
+            "would see a fork",
+        )
+    if log.root(checkpoint.size) != checkpoint.root_hash:
+        raise LogRollbackError(
+            f"the database's first {checkpoint.size} log entries have root {log.root(checkpoint.size).hex()}, but this "
+            f"registry signed root {checkpoint.root_hash.hex()} at that size ({SIGNED_HEAD_FILE}): the database holds "
+            "a different log; serving it would fork the log"
+        )
+    return saved
+
+
+def _advance_signed_head(
+    data: DataDir, db: Database, log: TransparencyLog, head: LogHead, saved: SignedHead | None
+) -> None:
+    """Save the database's head when it is ahead of (or there is no) ``signed-head.json``."""
+    if saved is None or saved.tree_size != head.size:
+        try:
+            write_signed_head(data, _signed(log.origin, head))
+        except OSError as e:
+            raise SignedHeadWriteError(
+                f"the signed tree head could not be saved to {SIGNED_HEAD_FILE}: {e.strerror}",
+                hint="make the data directory writable (and free disk space), then start again",
+            ) from e
+    if db.get_meta(_HEAD_FILE_META) is None:
+        # Recorded only after the file exists, and checkpointed into the database file, so a
+        # later start can tell "never written" (an upgrade) from "deleted".
+        db.set_meta(_HEAD_FILE_META, SIGNED_HEAD_FILE)
+        db.query("CHECKPOINT")
 
 
 def _statement_json(envelope_bytes: bytes) -> Any:

@@ -13,6 +13,23 @@ DEFAULT_MAX_ENVELOPE_BYTES = 16 * 1024 * 1024
 #: token cannot flood the log.
 DEFAULT_RATE_LIMIT = 50.0
 DEFAULT_RATE_BURST = 200
+#: Search: at most this many words per query, and this many characters in the query string.
+#: A real search names a few words; each word is one index lookup.
+DEFAULT_MAX_SEARCH_TERMS = 8
+DEFAULT_MAX_QUERY_LENGTH = 256
+#: Signatures per posted envelope: kvgraft signs with one key, thresholds need a few.
+DEFAULT_MAX_SIGNATURES = 16
+#: Request headers: total bytes and count (nginx's large_client_header_buffers is 4 x 8 KiB).
+DEFAULT_MAX_HEADER_BYTES = 32 * 1024
+DEFAULT_MAX_HEADER_COUNT = 100
+#: The longest parent chain the registry accepts or walks (a real chain is a handful deep).
+DEFAULT_MAX_LINEAGE_DEPTH = 256
+#: Nesting depth of any JSON document a stranger sends (statements nest about 6 deep).
+DEFAULT_MAX_JSON_DEPTH = 64
+#: Signature verifications remembered per envelope digest, so a page view never re-verifies.
+DEFAULT_VERIFY_CACHE_ENTRIES = 4096
+#: Blobs at most this large are re-hashed each time they are served (blob rot is caught at once).
+DEFAULT_VERIFY_ON_READ_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -40,9 +57,43 @@ class RegistrySettings:
     rate_limit: float = DEFAULT_RATE_LIMIT
     #: Requests each token may make at once before the average applies.
     rate_burst: int = DEFAULT_RATE_BURST
+    #: Words per search query, and characters in the whole query string.
+    max_search_terms: int = DEFAULT_MAX_SEARCH_TERMS
+    max_query_length: int = DEFAULT_MAX_QUERY_LENGTH
+    #: Signatures per posted envelope; more is refused with 413 before any is verified.
+    max_signatures: int = DEFAULT_MAX_SIGNATURES
+    #: Total bytes and number of request headers; more is answered 431.
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    max_header_count: int = DEFAULT_MAX_HEADER_COUNT
+    #: The deepest parent chain accepted at publish and walked on a lineage view.
+    max_lineage_depth: int = DEFAULT_MAX_LINEAGE_DEPTH
+    #: Nesting depth of posted JSON.
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+    #: Signature verification results cached per envelope digest.
+    verify_cache_entries: int = DEFAULT_VERIFY_CACHE_ENTRIES
+    #: Blobs up to this size are re-hashed when served; a mismatch quarantines the blob.
+    verify_on_read_bytes: int = DEFAULT_VERIFY_ON_READ_BYTES
+    #: Seconds between background scrubs of every blob (0: no background scrub).
+    scrub_interval: float = 0.0
+    #: The registry's own public base URL (e.g. ``https://registry.example``), used in the commands
+    #: the pages tell users to paste; never taken from the request's ``Host`` header.
+    public_url: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_blob_bytes", "max_envelope_bytes", "default_page_limit", "max_page_limit"):
+        for name in (
+            "max_blob_bytes",
+            "max_envelope_bytes",
+            "default_page_limit",
+            "max_page_limit",
+            "max_search_terms",
+            "max_query_length",
+            "max_signatures",
+            "max_header_bytes",
+            "max_header_count",
+            "max_lineage_depth",
+            "max_json_depth",
+            "verify_cache_entries",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"RegistrySettings.{name} must be a positive int, got {value!r}")
@@ -50,5 +101,9 @@ class RegistrySettings:
             raise ValueError(f"RegistrySettings.rate_limit must be a finite number >= 0, got {self.rate_limit!r}")
         if isinstance(self.rate_burst, bool) or not isinstance(self.rate_burst, int) or self.rate_burst < 1:
             raise ValueError(f"RegistrySettings.rate_burst must be a positive int, got {self.rate_burst!r}")
+        if isinstance(self.verify_on_read_bytes, bool) or not isinstance(self.verify_on_read_bytes, int) or self.verify_on_read_bytes < 0:
+            raise ValueError(f"RegistrySettings.verify_on_read_bytes must be an int >= 0, got {self.verify_on_read_bytes!r}")
+        if isinstance(self.scrub_interval, bool) or not isinstance(self.scrub_interval, int | float) or not 0 <= self.scrub_interval < float("inf"):
+            raise ValueError(f"RegistrySettings.scrub_interval must be a finite number >= 0, got {self.scrub_interval!r}")
         if self.default_page_limit > self.max_page_limit:
             raise ValueError("RegistrySettings.default_page_limit must not exceed max_page_limit")

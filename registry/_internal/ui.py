@@ -2,9 +2,18 @@
 
 Handlers read through the registry service (its queries and locks) plus the few read-only
 queries the pages need that the API does not have (newest-first listings, counts, facets),
-all here. Signatures are re-verified on every page view with ``kvgraft.verifier`` against the
+all here. Signatures are re-verified by this server with ``kvgraft.verifier`` against the
 publisher's registered keys: a page never repeats the registry's earlier judgement unchecked.
-Pages work without JavaScript; every value from an entry reaches the browser escaped.
+Verification runs outside the database lock and its outcome is remembered per envelope
+digest, publisher and set of registered key ids (entries are immutable; a new key changes
+the cache key), in a bounded LRU of ``settings.verify_cache_entries``; an envelope with more
+than ``settings.max_signatures`` signatures is reported unverified without being checked.
+Lineage walks stop at ``settings.max_lineage_depth`` ancestors or at a cycle, and say so.
+Pages work without JavaScript; every value from an entry reaches the browser escaped, with
+control, bidi and zero-width characters shown as escapes (``kvgraft.web.visible``). The
+commands a page shows are built word by word (``kvgraft.web.shell_word``) against the
+registry's configured public URL, else its bind address, else ``$REGISTRY``: never the
+request's ``Host`` header.
 """
 
 from __future__ import annotations
@@ -15,6 +24,11 @@ import functools
 import hashlib
 import json
 import logging
+import math
+import re
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,19 +59,35 @@ from kvgraft.verifier import (
     LOGITS_DIR,
     RECORD_FILE,
     Dataset,
+    TrustedKey,
     TrustedKeys,
     VerificationError,
     b64decode_any,
     harness_hashes,
     load_dataset,
     parse_envelope,
+    parse_public_key,
+    trusted_key,
     verify_envelope,
 )
-from kvgraft.web import STATIC_DIR, LineageNode, PlotSeries, kl_plot_svg, lineage_svg, render_page, short_digest
+from kvgraft.web import (
+    REGISTRY_VARIABLE,
+    STATIC_DIR,
+    LineageNode,
+    PlotSeries,
+    command,
+    kl_plot_svg,
+    lineage_svg,
+    render_page,
+    shell_word,
+    short_digest,
+    url_word,
+)
 
 from .blobs import parse_digest_ref
 from .entries import RECORD_KINDS, kind_of_filter
 from .errors import ArtifactNotFoundError, BadRequestError, EntryNotFoundError, NotFoundError, RegistryError
+from .search import search_condition
 from .service import Registry
 
 logger = logging.getLogger("kvgraft.registry")
@@ -70,7 +100,6 @@ RECENT = 12
 _DRAWN_ANCESTORS = 3
 _DRAWN_CHILDREN = 6
 _PREVIEW = 160
-_MAX_ANCESTORS = 10_000
 _MAX_CHILDREN = 1_000
 #: The datasets shipped with kvgraft: an evaluation over one of them shows its questions.
 DATASETS_DIR = Path(__file__).resolve().parents[2] / "data" / "datasets"
@@ -97,8 +126,31 @@ async def _guard(connection: ASGIConnection[Any, Any, Any, Any], _: Any) -> None
         await _run(registry.authenticate, connection.headers.get("authorization"))
 
 
-def _base_url(request: Request[Any, Any, Any]) -> str:
-    return str(request.base_url).rstrip("/")
+def command_base(registry: Registry) -> str | None:
+    """The registry address a page's commands use: the configured public URL, else the bind address.
+
+    ``None`` when the server knows neither (an app embedded without ``kvgraft serve``): the
+    commands then read ``$REGISTRY``. Never the request's ``Host`` header, which any client sets.
+    """
+    for url in (registry.settings.public_url, registry.settings.admin_url):
+        if url:
+            return url.rstrip("/")
+    return None
+
+
+def command_note(registry: Registry) -> str:
+    """One sentence under the commands: which registry address they use, and how to change it."""
+    if registry.settings.public_url:
+        return f"The commands fetch from this registry's public address, {registry.settings.public_url.rstrip('/')}."
+    if registry.settings.admin_url:
+        return (
+            f"The commands fetch from the address this server listens on, {registry.settings.admin_url.rstrip('/')}; "
+            "from another machine, replace it with the registry's public address (operators: set public_url)."
+        )
+    return (
+        f"This server does not know its public address: set {REGISTRY_VARIABLE} to it before pasting "
+        f"({REGISTRY_VARIABLE}=https://registry.example); operators set the registry's public_url."
+    )
 
 
 def _html(request: Request[Any, Any, Any], template: str, *, status: int = 200, **context: Any) -> Response[str]:
@@ -127,10 +179,21 @@ def _html_error(request: Request[Any, Any, Any], exc: Exception) -> Response[str
         message, hint = "the registry failed to render this page", "retry; if it persists, the server log has the details"
     if status >= 500 and isinstance(exc, RegistryError):
         logger.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
+        # A server fault may name files; a page never shows where the data lives.
+        message, hint = _without_paths(message), _without_paths(hint)
     headers = exc.headers() if isinstance(exc, RegistryError) else {}
     response = _html(request, "error.html", status=status, title=title, message=message, hint=hint)
     response.headers.update(headers)
     return response
+
+
+#: An absolute filesystem path (two or more segments), not preceded by a URL scheme or host.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.\-])/(?:[^\s/'\":),;]+/)+[^\s/'\":),;]*")
+
+
+def _without_paths(text: str) -> str:
+    """``text`` with absolute filesystem paths replaced by ``<path>`` (for 5xx pages only)."""
+    return _ABSOLUTE_PATH.sub("<path>", text)
 
 
 def _query(registry: Registry, sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
@@ -147,7 +210,8 @@ def _before(before: int | None) -> int:
         return 2**62
     if before < 0:
         raise BadRequestError(f"before={before} is not a log index", hint="follow the page links, or start from the first page")
-    return before
+    # Past every log index (DuckDB's BIGINT would refuse a larger parameter): the first page.
+    return min(before, 2**62)
 
 
 # --- signatures --------------------------------------------------------------------------------
@@ -166,15 +230,120 @@ class SignatureStatus:
     registered_keyids: list[str] = field(default_factory=list)
 
 
+#: A publisher's registered keys as read under the lock: (key id, PEM) pairs, sorted by key id.
+KeyRows = tuple[tuple[str, str], ...]
+
+
+def publisher_key_rows(registry: Registry, publisher: str) -> KeyRows:
+    """The registered keys of ``publisher`` (one short query; take ``registry.db.lock`` around it or not)."""
+    rows = _query(
+        registry, "SELECT keyid, public_key_pem FROM publisher_keys WHERE publisher = ? ORDER BY keyid", [publisher]
+    )
+    return tuple((str(k), str(pem)) for k, pem in rows)
+
+
+class VerifyCache:
+    """Signature outcomes by (envelope digest, publisher, registered key ids): a bounded, thread-safe LRU.
+
+    Safe to keep because a stored envelope never changes (its digest names its bytes) and the
+    outcome depends on nothing else but the publisher's key set, which is part of the key.
+    """
+
+    def __init__(self, entries: int) -> None:
+        self.entries = entries
+        self._items: OrderedDict[tuple[str, str, tuple[str, ...]], SignatureStatus] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, str, tuple[str, ...]]) -> SignatureStatus | None:
+        with self._lock:
+            found = self._items.get(key)
+            if found is not None:
+                self._items.move_to_end(key)
+            return found
+
+    def put(self, key: tuple[str, str, tuple[str, ...]], status: SignatureStatus) -> None:
+        with self._lock:
+            self._items[key] = status
+            self._items.move_to_end(key)
+            while len(self._items) > self.entries:
+                self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+
+_CACHES: weakref.WeakKeyDictionary[Registry, VerifyCache] = weakref.WeakKeyDictionary()
+_CACHES_LOCK = threading.Lock()
+
+
+def verify_cache(registry: Registry) -> VerifyCache:
+    """The signature cache of ``registry`` (one per open registry, sized by its settings)."""
+    with _CACHES_LOCK:
+        cache = _CACHES.get(registry)
+        if cache is None:
+            cache = _CACHES[registry] = VerifyCache(registry.settings.verify_cache_entries)
+        return cache
+
+
 def signature_status(registry: Registry, envelope_bytes: bytes, publisher: str) -> SignatureStatus:
-    """Verify ``envelope_bytes`` now with the keys registered for ``publisher``; say who signed or why not."""
-    keys = [key for key, owner in registry.accounts.registered_keys().values() if owner == publisher]
-    registered = [k.keyid for k in keys]
+    """Verify ``envelope_bytes`` with the keys registered for ``publisher``; say who signed or why not.
+
+    Reads the keys in one short query, then verifies without holding the database lock.
+    """
+    with registry.db.lock:
+        rows = publisher_key_rows(registry, publisher)
+    return verified_status(registry, envelope_bytes, publisher, rows)
+
+
+def verified_status(registry: Registry, envelope_bytes: bytes, publisher: str, key_rows: KeyRows) -> SignatureStatus:
+    """The outcome for ``envelope_bytes`` and ``key_rows``, from the cache or computed now.
+
+    Call it outside ``registry.db.lock``: a miss parses and verifies the envelope.
+    """
+    key = (hashlib.sha256(envelope_bytes).hexdigest(), publisher, tuple(k for k, _ in key_rows))
+    cache = verify_cache(registry)
+    found = cache.get(key)
+    if found is None:
+        found = _verify_now(envelope_bytes, publisher, key_rows, registry.settings.max_signatures)
+        cache.put(key, found)
+    return found
+
+
+def _count_signatures(envelope_bytes: bytes) -> int | None:
+    # The number of entries in the envelope's "signatures" list, before any model is built.
+    try:
+        doc = parse_json(envelope_bytes, what="the stored envelope")
+    except (DocumentError, RecursionError):
+        return None
+    signatures = doc.get("signatures") if isinstance(doc, dict) else None
+    return len(signatures) if isinstance(signatures, list) else None
+
+
+def _verify_now(envelope_bytes: bytes, publisher: str, key_rows: KeyRows, max_signatures: int) -> SignatureStatus:
+    registered = [k for k, _ in key_rows]
+    count = _count_signatures(envelope_bytes)
+    if count is not None and count > max_signatures:
+        return SignatureStatus(
+            publisher, False, [], [],
+            f"not verified: too many signatures ({count}; this registry checks at most {max_signatures} per envelope)",
+            "an envelope kvgraft signs carries one signature; treat this entry as unsigned", registered,
+        )
     try:
         envelope = parse_envelope(envelope_bytes, source="the stored envelope")
     except VerificationError as e:
         return SignatureStatus(publisher, False, [], [], e.message, e.hint, registered)
-    claimed = [s.keyid for s in envelope.signatures if s.keyid]
+    except RecursionError:
+        message = "the stored envelope is nested too deeply to read"
+        return SignatureStatus(publisher, False, [], [], message, "", registered)
+    claimed = [sig.keyid for sig in envelope.signatures if sig.keyid]
+    keys: list[TrustedKey] = []
+    for keyid, pem in key_rows:
+        try:
+            public = parse_public_key(pem.encode("ascii"), source=f"key {keyid}")
+            keys.append(trusted_key(f"{publisher}/{keyid[:16]}", public))
+        except (VerificationError, UnicodeEncodeError):
+            logger.warning("registered key %s of %r cannot be read; left out of verification", keyid, publisher)
     if not keys:
         return SignatureStatus(
             publisher, False, [], claimed, f"publisher {publisher!r} has no registered key to verify with",
@@ -186,7 +355,9 @@ def signature_status(registry: Registry, envelope_bytes: bytes, publisher: str) 
         return SignatureStatus(publisher, False, [], claimed, e.message, e.hint, registered)
     signers = [{"name": publisher, "keyid": k.keyid} for k in verified.signers]
     names = ", ".join(short_digest(k.keyid, 16) for k in verified.signers)
-    message = f"Ed25519 signature over the DSSE payload verified just now with {publisher}'s registered key {names}"
+    message = (
+        f"Ed25519 signature over the DSSE payload verified by this server with {publisher}'s registered key {names}"
+    )
     return SignatureStatus(publisher, True, signers, claimed, message, "", registered)
 
 
@@ -204,7 +375,7 @@ def _payload_json(envelope_bytes: bytes) -> dict[str, Any]:
     try:
         doc = json.loads(envelope_bytes)
         value = json.loads(base64.b64decode(doc["payload"]))
-    except (ValueError, KeyError, TypeError, binascii.Error):
+    except (ValueError, KeyError, TypeError, binascii.Error, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -225,27 +396,44 @@ def _proof_context(registry: Registry, entry: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _log_commands(base: str, entry: dict[str, Any], tree_size: int, envelope_path: str) -> str:
-    index = entry["log_index"]
+def _log_commands(base: str | None, entry: dict[str, Any], tree_size: int, envelope_path: str) -> str:
+    index = int(entry["log_index"])
+    q = shell_word
     return "\n".join(
         [
-            f"curl -fsS -o registry.pub {base}/log/registry-key.pem",
-            f"curl -fsS '{base}/v1/log/checkpoint?tree_size={tree_size}' > checkpoint",
-            f"curl -fsS '{base}/v1/log/proof/inclusion?index={index}&tree_size={tree_size}' > inclusion.json",
-            f"kvgraft-verify log --checkpoint checkpoint --registry-key registry.pub --inclusion inclusion.json {envelope_path}",
+            command("curl", "-fsS", "-o", "registry.pub", url_word(base, "/log/registry-key.pem")),
+            command(
+                "curl", "-fsS", url_word(base, f"/v1/log/checkpoint?tree_size={int(tree_size)}"), ">", "checkpoint"
+            ),
+            command(
+                "curl", "-fsS", url_word(base, f"/v1/log/proof/inclusion?index={index}&tree_size={int(tree_size)}"),
+                ">", "inclusion.json",
+            ),
+            command(
+                "kvgraft-verify", "log", "--checkpoint", "checkpoint", "--registry-key", "registry.pub", "--inclusion",
+                "inclusion.json", q(envelope_path),
+            ),
         ]
     )
 
 
-def _fetch_lines(base: str, entry: dict[str, Any], directory: str, envelope_name: str) -> list[str]:
-    lines = [f"mkdir -p {directory}"]
+def _fetch_lines(base: str | None, entry: dict[str, Any], directory: str, envelope_name: str) -> list[str]:
+    """``mkdir`` and ``curl`` lines that fetch an entry's subjects and envelope into ``directory``.
+
+    Subject names, digests and the publisher come from a stranger's statement: each is one
+    shell word (``shell_word``), in paths and in URLs alike.
+    """
+    q = shell_word
     subdirs = sorted({s["name"].rsplit("/", 1)[0] for s in entry["subjects"] if "/" in s["name"]})
-    if subdirs:
-        lines[0] = "mkdir -p " + " ".join(f"{directory}/{d}" for d in subdirs)
+    made = [q(f"{directory}/{d}") for d in subdirs] if subdirs else [q(directory)]
+    lines = [command("mkdir", "-p", *made)]
     for s in entry["subjects"]:
-        lines.append(f"curl -fsS -o {directory}/{s['name']} {base}/v1/blobs/{s['digest']}")
-    lines.append(f"curl -fsS -o {directory}/{envelope_name} {base}{entry['envelope_url']}")
-    lines.append(f"curl -fsS -o trusted-keys.json {base}/publishers/{quote(entry['publisher'])}/trusted-keys.json   # or your own copy")
+        blob_url = url_word(base, f"/v1/blobs/{quote(s['digest'], safe=':')}")
+        lines.append(command("curl", "-fsS", "-o", q(f"{directory}/{s['name']}"), blob_url))
+    envelope_url = url_word(base, entry["envelope_url"])
+    lines.append(command("curl", "-fsS", "-o", q(f"{directory}/{envelope_name}"), envelope_url))
+    keys_url = f"/publishers/{quote(entry['publisher'], safe='')}/trusted-keys.json"
+    lines.append(command("curl", "-fsS", "-o", "trusted-keys.json", url_word(base, keys_url), "  # or your own copy"))
     return lines
 
 
@@ -356,9 +544,12 @@ def artifacts_context(
             parse_digest_ref(parent, what="parent")
             where.append("parent = ?")
             params.append(parent)
-    for term in (q or "").split():
-        where.append("contains(lower(source_text), ?)")
-        params.append(term.lower())
+    # The API's search, bounded the same way (refused before the database lock is taken).
+    settings = registry.settings
+    found = search_condition(q, max_terms=settings.max_search_terms, max_length=settings.max_query_length)
+    if found is not None:
+        where.append(found[0])
+        params.extend(found[1])
     condition = " AND ".join(where)
     with registry.db.lock:
         total = int(_query(registry, f"SELECT count(*) FROM entries WHERE {condition}", params)[0][0])
@@ -408,9 +599,30 @@ def _node(item: dict[str, Any], role: str) -> LineageNode:
                        f"/artifacts/{item['digest']}", role)
 
 
-def _lineage(artifact: dict[str, Any], parents: list[dict[str, Any]], children: list[dict[str, Any]]) -> dict[str, Any]:
-    chain_items = list(reversed(parents))  # root first
+def _cut_note(cut: str | None, limit: int | None, shown: int) -> str | None:
+    if cut == "cycle":
+        return (f"The parent chain loops back on itself after {shown} ancestor{'' if shown == 1 else 's'}: "
+                "an artifact is its own ancestor, so this lineage can never reach a root.")
+    if cut == "depth":
+        return (f"The parent chain goes on past the {limit} nearest ancestors; this registry walks no further "
+                "(its max_lineage_depth setting).")
+    return None
+
+
+def _lineage(
+    artifact: dict[str, Any],
+    parents: list[dict[str, Any]],
+    children: list[dict[str, Any]],
+    *,
+    cut: str | None = None,
+    limit: int | None = None,
+) -> dict[str, Any]:
+    """The lineage drawing and lists; ``cut`` (from ``ancestors``) marks a walk stopped early."""
+    chain_items = list(reversed(parents))  # root first (or the farthest ancestor walked)
     chain: list[LineageNode] = []
+    if cut is not None:
+        marker = "\u2026 cycle" if cut == "cycle" else "\u2026 more"
+        chain.append(LineageNode(marker, "walk stopped here", None, "more"))
     if len(chain_items) > _DRAWN_ANCESTORS:
         # The root, a marker for those in between, and the nearest parents.
         hidden = len(chain_items) - _DRAWN_ANCESTORS
@@ -418,7 +630,7 @@ def _lineage(artifact: dict[str, Any], parents: list[dict[str, Any]], children: 
         chain.append(LineageNode(f"\u2026 {hidden} more", "ancestors", None, "more"))
         chain += [_node(p, "ancestor") for p in chain_items[-(_DRAWN_ANCESTORS - 1):]]
     else:
-        chain = [_node(p, "ancestor") for p in chain_items]
+        chain += [_node(p, "ancestor") for p in chain_items]
     start, end = artifact["positions"]
     current = LineageNode(short_digest(artifact["digest"], 10), f"this \u00b7 pos {start}\u2013{end}", None, "current")
     drawn_children = [_node(c, "child") for c in children[:_DRAWN_CHILDREN]]
@@ -426,25 +638,53 @@ def _lineage(artifact: dict[str, Any], parents: list[dict[str, Any]], children: 
         drawn_children.append(
             LineageNode(f"+ {len(children) - _DRAWN_CHILDREN} more", "children", f"/artifacts?parent={artifact['digest']}", "more")
         )
-    return {"svg": lineage_svg(chain, current, drawn_children), "parents": parents, "children": children}
+    return {
+        "svg": lineage_svg(chain, current, drawn_children),
+        "parents": parents,
+        "children": children,
+        "cut": cut,
+        "cut_note": _cut_note(cut, limit, len(parents)),
+    }
 
 
 # Ancestors in one recursive query (nearest first), each artifact described by its first entry,
-# as the registry's own lineage does; the depth cap stops a cycle from running away.
-_ANCESTORS_SQL = f"""
+# as the registry's own lineage does. The walk stops one step past the depth limit (so that a
+# cut is known) and at the first digest seen twice (a cycle, possible in old data).
+_ANCESTORS_SQL = """
 WITH RECURSIVE firsts AS (
     SELECT artifact_digest, min(log_index) AS log_index, arg_min(parent, log_index) AS parent,
            arg_min(position_start, log_index) AS position_start, arg_min(position_end, log_index) AS position_end
     FROM entries WHERE kind = 'artifact' GROUP BY artifact_digest
-), chain(digest, depth) AS (
-    SELECT CAST(? AS VARCHAR), 0
+), chain(digest, depth, seen, repeated) AS (
+    SELECT CAST(? AS VARCHAR), 0, [CAST(? AS VARCHAR)], false
     UNION ALL
-    SELECT f.parent, c.depth + 1 FROM chain c JOIN firsts f ON f.artifact_digest = c.digest
-    WHERE f.parent IS NOT NULL AND c.depth < {_MAX_ANCESTORS}
+    SELECT f.parent, c.depth + 1, list_append(c.seen, f.parent), list_contains(c.seen, f.parent)
+    FROM chain c JOIN firsts f ON f.artifact_digest = c.digest
+    WHERE f.parent IS NOT NULL AND NOT c.repeated AND c.depth <= ?
 )
-SELECT c.digest, f.log_index, f.position_start, f.position_end
+SELECT c.digest, f.log_index, f.position_start, f.position_end, c.repeated
 FROM chain c LEFT JOIN firsts f ON f.artifact_digest = c.digest WHERE c.depth > 0 ORDER BY c.depth
 """
+
+
+def ancestors(registry: Registry, digest: str, limit: int) -> tuple[list[dict[str, Any]], str | None]:
+    """At most ``limit`` ancestors of ``digest``, nearest first, and why the walk stopped early.
+
+    The reason is ``None`` (the root was reached, or a parent has no entry here), ``"depth"``
+    (the chain goes on past ``limit``) or ``"cycle"`` (a parent repeats an artifact of the
+    chain; the repeated one is not listed). Run it under ``registry.db.lock``.
+    """
+    rows = _query(registry, _ANCESTORS_SQL, [digest, digest, int(limit)])
+    out: list[dict[str, Any]] = []
+    for d, i, a, b, repeated in rows:
+        if repeated:
+            return out, "cycle"
+        if len(out) == limit:
+            return out, "depth"
+        positions = None if i is None else (int(a), int(b))
+        out.append({"digest": d, "log_index": None if i is None else int(i), "positions": positions})
+    return out, None
+
 
 _RECORD_KINDS_SQL = "(" + ", ".join(f"'{k}'" for k in RECORD_KINDS) + ")"
 
@@ -454,7 +694,7 @@ def _entry_dict(r: tuple[Any, ...], subjects: list[dict[str, str]]) -> dict[str,
     return {
         "log_index": int(r[0]), "digest": r[1], "leaf_hash": bytes(r[2]).hex(), "kind": r[3], "publisher": r[4],
         "keyids": list(r[5]), "integrated_at": r[6], "size": int(r[7]), "predicate_type": r[8], "subjects": subjects,
-        "envelope_url": f"/v1/entries/{r[1]}/envelope",
+        "envelope_url": f"/v1/entries/{quote(r[1], safe=':')}/envelope",
         "artifact": None if r[9] is None else {"digest": r[9], "positions": (int(r[10]), int(r[11]))},
     }
 
@@ -470,8 +710,14 @@ def _subjects_of(registry: Registry, index: int) -> list[dict[str, str]]:
     return [{"name": n, "digest": d} for n, d in rows]
 
 
-def artifact_context(registry: Registry, digest: str, base: str) -> dict[str, Any]:
-    """An artifact page: statement fields, re-verified signature, lineage, proof, downloads, commands."""
+def artifact_context(registry: Registry, digest: str, base: str | None) -> dict[str, Any]:
+    """An artifact page: statement fields, re-verified signature, lineage, proof, downloads, commands.
+
+    ``base`` is the registry address the commands use (``command_base``). The database lock is
+    held only to read rows; the signature is verified after it is released. The context's
+    ``template`` is ``artifact.html``, or ``record.html`` in its raw form when the stored
+    statement no longer reads as a KV artifact statement (old data).
+    """
     parse_digest_ref(digest, what="artifact digest")
     with registry.db.lock:
         rows = _query(registry, _ENTRY_SQL + " WHERE artifact_digest = ? AND kind = 'artifact' ORDER BY log_index", [digest])
@@ -480,10 +726,7 @@ def artifact_context(registry: Registry, digest: str, base: str) -> dict[str, An
         first = rows[0]
         entry = _entry_dict(first, _subjects_of(registry, int(first[0])))
         envelope_bytes = bytes(first[12])
-        parents = [
-            {"digest": d, "log_index": None if i is None else int(i), "positions": None if i is None else (int(a), int(b))}
-            for d, i, a, b in _query(registry, _ANCESTORS_SQL, [digest])
-        ]
+        parents, cut = ancestors(registry, digest, registry.settings.max_lineage_depth)
         children = [
             {"digest": d, "log_index": int(i), "publisher": p, "positions": (int(a), int(b))}
             for i, d, p, a, b in _query(
@@ -503,38 +746,86 @@ def artifact_context(registry: Registry, digest: str, base: str) -> dict[str, An
             )
         ]
         proof = _proof_context(registry, entry)
-        signature = signature_status(registry, envelope_bytes, entry["publisher"])
-    statement = _statement(envelope_bytes)
-    if not isinstance(statement, KvArtifactStatement):
-        raise RegistryError(f"entry {entry['log_index']} is indexed as an artifact but holds a {statement.predicate_type} statement")
-    p = statement.predicate
-    artifact = {"digest": digest, "positions": (p.positions.start, p.positions.end), "tokens": p.positions.end - p.positions.start}
+        key_rows = publisher_key_rows(registry, entry["publisher"])
+    # Outside the lock: a slow envelope stalls only this page, never the registry.
+    signature = verified_status(registry, envelope_bytes, entry["publisher"], key_rows)
     directory = "art"
+    envelope_path = f"{directory}/statement.dsse.json"
     fetch = _fetch_lines(base, entry, directory, "statement.dsse.json")
     verify = [
-        f"kvgraft-verify envelope {directory}/statement.dsse.json --trusted-keys trusted-keys.json --artifact-dir {directory}",
-        _log_commands(base, entry, proof["tree_size"], f"{directory}/statement.dsse.json"),
+        command(
+            "kvgraft-verify", "envelope", shell_word(envelope_path), "--trusted-keys", "trusted-keys.json",
+            "--artifact-dir", shell_word(directory),
+        ),
+        _log_commands(base, entry, proof["tree_size"], envelope_path),
     ]
-    return {
-        "artifact": artifact,
-        "other_entries": [{"log_index": int(r[0]), "digest": r[1], "publisher": r[4]} for r in rows[1:]],
+    statement, statement_json, problem = _read_statement(envelope_bytes)
+    if statement is not None and not isinstance(statement, KvArtifactStatement):
+        problem = (
+            f"entry {entry['log_index']} is indexed as an artifact but holds a {statement.predicate_type} statement"
+        )
+    common = {
         "entry": entry,
-        "statement": statement,
-        "p": p,
         "signature": signature,
-        "lineage": _lineage(artifact, parents, children),
-        "records": records,
         "proof": proof,
         "downloads": _downloads(entry, proof["tree_size"]),
         "verify_command": "\n".join([*fetch, *verify]),
-        "pull_command": f"kvgraft pull --registry {base} {digest} --out {directory} --trusted-keys trusted-keys.json",
+        "command_note": command_note(registry),
     }
+    if problem is not None or not isinstance(statement, KvArtifactStatement):
+        return {**common, "template": "record.html", "kind": "artifact", "special": {}, "statement": None,
+                "statement_json": statement_json, "raw_error": problem or "the statement cannot be read",
+                "logits_dir": LOGITS_DIR}
+    p = statement.predicate
+    artifact = {
+        "digest": digest, "positions": (p.positions.start, p.positions.end), "tokens": p.positions.end - p.positions.start
+    }
+    return {
+        **common,
+        "template": "artifact.html",
+        "artifact": artifact,
+        "other_entries": [{"log_index": int(r[0]), "digest": r[1], "publisher": r[4]} for r in rows[1:]],
+        "statement": statement,
+        "p": p,
+        "lineage": _lineage(artifact, parents, children, cut=cut, limit=registry.settings.max_lineage_depth),
+        "records": records,
+        "pull_command": command(
+            "kvgraft", "pull", "--registry", _registry_word(base), shell_word(digest), "--out", shell_word(directory),
+            "--trusted-keys", "trusted-keys.json",
+        ),
+    }
+
+
+def _registry_word(base: str | None) -> str:
+    return f'"${REGISTRY_VARIABLE}"' if base is None else shell_word(base)
+
+
+def _read_statement(envelope_bytes: bytes) -> tuple[Statement | None, Any, str | None]:
+    """The stored statement typed, its JSON for display, and why it could not be typed (or None).
+
+    Entries were checked when published, but a page must render old data too: an envelope
+    whose statement no longer parses is shown raw with the reason, never as an error page.
+    """
+    try:
+        return _statement(envelope_bytes), None, None
+    except RegistryError as e:
+        problem = e.message
+    except RecursionError:
+        problem = "the stored statement is nested too deeply to read"
+    try:
+        doc = json.loads(envelope_bytes)
+        raw: Any = json.loads(base64.b64decode(doc["payload"]))
+    except (ValueError, KeyError, TypeError, binascii.Error, RecursionError):
+        raw = None
+    return None, raw, problem
 
 
 @get("/artifacts/{digest:str}", guards=[_guard], include_in_schema=False)
 async def artifact(request: Request[Any, Any, Any], digest: FromPath[str]) -> Response[str]:
     """One artifact, with who signed it and what proves it."""
-    return _html(request, "artifact.html", **await _run(artifact_context, _registry(request), digest, _base_url(request)))
+    registry = _registry(request)
+    context = await _run(artifact_context, registry, digest, command_base(registry))
+    return _html(request, context.pop("template"), **context)
 
 
 # --- records -----------------------------------------------------------------------------------
@@ -556,7 +847,8 @@ def _record_summary(kind: str, payload: dict[str, Any]) -> str:
         if kind == "replay":
             ref = p["pre_registration"]
             return f"answers entry {ref['log_index']}: {'reproduced' if p['reproduced'] else 'NOT reproduced'}"
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, ArithmeticError):
+        # ArithmeticError: a number no float holds (an int beyond 1.8e308) in a format.
         return "(summary unreadable; open the record)"
     return ""
 
@@ -679,7 +971,7 @@ def _exactness_context(registry: Registry, entry: dict[str, Any], statement: Exa
         "bitwise_equal": sum(s.bitwise_equal for s in samples),
         "argmax_agree_all": sum(s.argmax_agreement == 1.0 for s in samples),
         "max_kl_divergence": max((s.kl_divergence for s in samples), default=0.0),
-        "mean_argmax_agreement": (sum(s.argmax_agreement for s in samples) / len(samples)) if samples else 0.0,
+        "mean_argmax_agreement": _mean([s.argmax_agreement for s in samples]),
     }
     claimed = p.summary.model_dump()
     return {
@@ -694,10 +986,34 @@ def _exactness_context(registry: Registry, entry: dict[str, Any], statement: Exa
     }
 
 
+def _finite_float(value: Any) -> float | None:
+    try:
+        f = float(value)
+    except (OverflowError, TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
 def _same(a: Any, b: Any) -> bool:
+    """Whether a claimed figure equals the recomputed one (floats within 1e-9 relative); total."""
     if isinstance(a, float) or isinstance(b, float):
-        return abs(float(a) - float(b)) <= 1e-9 * max(1.0, abs(float(a)))
+        fa, fb = _finite_float(a), _finite_float(b)
+        if fa is None or fb is None:
+            # Beyond float range or not finite: only the very same value is the same.
+            return bool(a == b)
+        return abs(fa - fb) <= 1e-9 * max(1.0, abs(fa))
     return bool(a == b)
+
+
+def _mean(values: list[Any]) -> Any:
+    # A mean of signed numbers, which may be ints no float holds: then an int mean.
+    if not values:
+        return 0.0
+    total = sum(values)
+    try:
+        return total / len(values)
+    except OverflowError:
+        return total // len(values)
 
 
 def _evaluation_context(statement: EvaluationStatement) -> dict[str, Any]:
@@ -733,34 +1049,43 @@ def _evaluation_context(statement: EvaluationStatement) -> dict[str, Any]:
     }
 
 
-def record_context(registry: Registry, digest: str, base: str) -> dict[str, Any]:
-    """A record page by its entry (envelope) digest; artifacts redirect to their own page."""
+def record_context(registry: Registry, digest: str, base: str | None) -> dict[str, Any]:
+    """A record page by its entry (envelope) digest; artifacts redirect to their own page.
+
+    ``base`` is the registry address the commands use (``command_base``). Rows are read under
+    the database lock, the signature is verified after it. A statement that no longer parses
+    (old data) is shown raw with the reason (``raw_error``) instead of an error page.
+    """
     parse_digest_ref(digest, what="entry digest")
     with registry.db.lock:
         rows = _query(registry, _ENTRY_SQL + " WHERE digest = ?", [digest])
         if not rows:
             raise EntryNotFoundError(f"no entry has digest {digest}")
         entry = _entry_dict(rows[0], _subjects_of(registry, int(rows[0][0])))
-        envelope_bytes = bytes(rows[0][12])
-        signature = signature_status(registry, envelope_bytes, entry["publisher"])
         if entry["artifact"] is not None:
             return {"kind": "artifact", "entry": entry}
-    statement = _statement(envelope_bytes)
-    proof = _proof_context(registry, entry)
+        envelope_bytes = bytes(rows[0][12])
+        key_rows = publisher_key_rows(registry, entry["publisher"])
+        proof = _proof_context(registry, entry)
+    signature = verified_status(registry, envelope_bytes, entry["publisher"], key_rows)
+    statement, raw_json, problem = _read_statement(envelope_bytes)
     directory = "rec"
+    q = shell_word
     fetch = _fetch_lines(base, entry, directory, RECORD_FILE)
-    context: dict[str, Any] = {"kind": entry["kind"], "special": {}}
+    context: dict[str, Any] = {"kind": entry["kind"], "special": {}, "raw_error": problem}
     envelope_path = f"{directory}/{RECORD_FILE}"
+    keys = ("--trusted-keys", "trusted-keys.json")
     if isinstance(statement, ExactnessStatement):
+        # Its one query takes the lock itself; the companions' statements are parsed without it.
         context["special"] = _exactness_context(registry, entry, statement)
-        check = f"kvgraft-verify exactness {directory} --trusted-keys trusted-keys.json"
+        check = command("kvgraft-verify", "exactness", q(directory), *keys)
     elif isinstance(statement, EvaluationStatement):
         context["special"] = _evaluation_context(statement)
         file = context["special"]["dataset_file"]
         dataset = f"data/datasets/{file.name}" if file else "DATASET.jsonl"
-        check = f"kvgraft-verify eval {directory} --dataset {dataset} --trusted-keys trusted-keys.json"
+        check = command("kvgraft-verify", "eval", q(directory), "--dataset", q(dataset), *keys)
     else:
-        check = f"kvgraft-verify envelope {envelope_path} --trusted-keys trusted-keys.json --artifact-dir {directory}"
+        check = command("kvgraft-verify", "envelope", q(envelope_path), *keys, "--artifact-dir", q(directory))
     if isinstance(statement, ReplayStatement):
         context["special"] = {"pre": statement.predicate.pre_registration}
     elif isinstance(statement, PreRegistrationStatement):
@@ -768,11 +1093,12 @@ def record_context(registry: Registry, digest: str, base: str) -> dict[str, Any]
     context.update(
         entry=entry,
         statement=statement,
-        statement_json=statement.model_dump(mode="json", by_alias=True),
+        statement_json=raw_json if statement is None else statement.model_dump(mode="json", by_alias=True),
         signature=signature,
         proof=proof,
         downloads=_downloads(entry, proof["tree_size"]),
         verify_command="\n".join([*fetch, check, _log_commands(base, entry, proof["tree_size"], envelope_path)]),
+        command_note=command_note(registry),
         logits_dir=LOGITS_DIR,
     )
     return context
@@ -782,7 +1108,7 @@ def record_context(registry: Registry, digest: str, base: str) -> dict[str, Any]
 async def record(request: Request[Any, Any, Any], digest: FromPath[str]) -> Response[Any]:
     """One record by its entry digest: its figures, re-verified signature and log proof."""
     registry = _registry(request)
-    context = await _run(record_context, registry, digest, _base_url(request))
+    context = await _run(record_context, registry, digest, command_base(registry))
     if context["kind"] == "artifact":
         return Redirect(path=f"/artifacts/{context['entry']['artifact']['digest']}")
     return _html(request, "record.html", **context)
@@ -801,7 +1127,9 @@ async def entry_redirect(request: Request[Any, Any, Any], ref: FromPath[str]) ->
 # --- the log -----------------------------------------------------------------------------------
 
 
-def log_context(registry: Registry, *, old: int | None, new: int | None, before: int | None, base: str) -> dict[str, Any]:
+def log_context(
+    registry: Registry, *, old: int | None, new: int | None, before: int | None, base: str | None
+) -> dict[str, Any]:
     """Checkpoints newest first, and a consistency proof between two tree sizes."""
     with registry.db.lock:
         head = registry.head
@@ -823,12 +1151,14 @@ def log_context(registry: Registry, *, old: int | None, new: int | None, before:
         roots = dict(_query(registry, "SELECT tree_size, root_hash FROM checkpoints WHERE tree_size IN (?, ?)", [old_size, new_size]))
         log_key = registry.log_key()
     checkpoints = [{"size": int(r[0]), "root_hash": bytes(r[1]).hex(), "created_at": r[2]} for r in rows[:PAGE_SIZE]]
+    old_size, new_size = int(old_size), int(new_size)
     commands = "\n".join(
         [
-            f"curl -fsS -o registry.pub {base}/log/registry-key.pem",
-            f"curl -fsS '{base}/v1/log/checkpoint?tree_size={old_size}' > checkpoint-old",
-            f"curl -fsS '{base}/v1/log/checkpoint?tree_size={new_size}' > checkpoint-new",
-            f"curl -fsS '{base}/v1/log/proof/consistency?old={old_size}&new={new_size}' > consistency.json",
+            command("curl", "-fsS", "-o", "registry.pub", url_word(base, "/log/registry-key.pem")),
+            command("curl", "-fsS", url_word(base, f"/v1/log/checkpoint?tree_size={old_size}"), ">", "checkpoint-old"),
+            command("curl", "-fsS", url_word(base, f"/v1/log/checkpoint?tree_size={new_size}"), ">", "checkpoint-new"),
+            command("curl", "-fsS", url_word(base, f"/v1/log/proof/consistency?old={old_size}&new={new_size}"), ">",
+                    "consistency.json"),
             "kvgraft-verify log --checkpoint checkpoint-new --registry-key registry.pub --consistency consistency.json checkpoint-old",
         ]
     )
@@ -843,6 +1173,7 @@ def log_context(registry: Registry, *, old: int | None, new: int | None, before:
         "new_root": bytes(roots[new_size]).hex() if new_size in roots else None,
         "consistency": proof,
         "commands": commands,
+        "command_note": command_note(registry),
         "log_key": log_key,
     }
 
@@ -855,7 +1186,8 @@ async def log_page(
     before: FromQuery[int | None] = None,
 ) -> Response[str]:
     """The transparency log: checkpoints and a consistency view between two tree sizes."""
-    context = await _run(log_context, _registry(request), old=old, new=new, before=before, base=_base_url(request))
+    registry = _registry(request)
+    context = await _run(log_context, registry, old=old, new=new, before=before, base=command_base(registry))
     return _html(request, "log.html", **context)
 
 

@@ -1,10 +1,67 @@
-"""The data contracts' exceptions: one base class, one subclass per failure."""
+"""The one error tree of kvgraft, and the data contracts' own branch of it.
+
+Every exception kvgraft defines is a subclass of :class:`KvgraftError`; each package has one base
+below it and one subclass per failure. See :class:`KvgraftError` for the whole tree.
+"""
 
 from __future__ import annotations
 
 
-class SchemaError(ValueError):
-    """Base class: a value does not satisfy a kvgraft data contract."""
+class KvgraftError(Exception):
+    """Base class of every error kvgraft raises (re-exported as ``kvgraft.KvgraftError``).
+
+    An error carries a ``message`` (what happened) and a ``hint`` (what to do, in pip's style);
+    ``str()`` is one line, ``<message> (hint: <hint>)``, or just the message when there is no
+    hint. Subclasses give a ``default_hint``; callers may pass a better one. Catch this one class
+    to report any kvgraft failure without a traceback: the ``kvgraft`` and ``kvgraft-verify``
+    commands do, and ``--json`` names the real class.
+
+    The tree (one base per package; the leaves are in each package's ``errors`` module)::
+
+        KvgraftError
+        ├── SchemaError (also a ValueError)      kvgraft.schemas: data contracts
+        │   ├── InvalidDigestError
+        │   ├── CanonicalizationError
+        │   └── DocumentError
+        ├── VerificationError                     kvgraft.verifier: signatures, digests, proofs, records
+        │   ├── MalformedInputError ── KeyFileError
+        │   ├── UnsupportedPayloadTypeError, UnknownKeyError, BadSignatureError,
+        │   │   ThresholdNotMetError, UntrustedRootError, IdentityMismatchError,
+        │   │   LogEntryError, LogProofError, ClaimMismatchError
+        │   └── DigestMismatchError ── SubjectMismatchError
+        ├── EngineError                           kvgraft.engine: models, artifacts, grafts, library
+        │   ├── UnknownModelError, ModelNotInstalledError, ModelFileError, KvFileError,
+        │   │   ProfileMismatchError, InputTextError, LibraryError, EvaluationError,
+        │   │   NoTrustedKeysError, TrustOptionsError, ScheduleError, KernelError
+        │   └── ArtifactError ── ArtifactSignatureError, UnsafeTensorError, LineageError
+        ├── RegistryError                         kvgraft.registry service (HTTP status on the class)
+        │   ├── BadRequestError, NotFoundError, ... (registry/_internal/errors.py)
+        │   └── DataDirError ── LogIntegrityError ── LogRollbackError, ...
+        ├── RegistryClientError                   kvgraft.registry client: what a registry answered
+        │   ├── RegistryUnavailableError, RegistryResponseError ── RegistryAuthError, ...
+        │   └── BlobDigestError, EvidenceError, LogForkError, ListingError, DiskFullError, ...
+        └── CliError                              kvgraft commands: bad options and local files
+    """
+
+    #: What the user can do about it; ``None`` where the message says it all.
+    default_hint: str | None = None
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint if hint is not None else self.default_hint
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        # One line, always: the commands print exactly this.
+        text = self.message if not self.hint else f"{self.message} (hint: {self.hint})"
+        return " ".join(text.split())
+
+
+class SchemaError(KvgraftError, ValueError):
+    """Base class: a value does not satisfy a kvgraft data contract.
+
+    Also a ``ValueError``, so that pydantic validators that raise it report a validation error.
+    """
 
 
 class InvalidDigestError(SchemaError):

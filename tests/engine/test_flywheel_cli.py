@@ -68,7 +68,7 @@ def test_deposit_ask_eval_prereg_replay_report_audit(tmp_path: Path, key: Path, 
 
         ev = tmp_path / "eval"
         code, res, err = _run(capsys, "eval", "--model", "tiny-llama-test", "--dataset", train, "--library", lib,
-                              "--max-new-tokens", "8", "--out", ev, "--key", key)
+                              "--max-new-tokens", "8", "--out", ev, "--key", key, "--trusted-keys", trust)
         assert code == 0, err
         assert res["items"] == 3 and res["decode_tokens"] <= 3 * 16
         code, out = _verify(capsys, "eval", ev, "--dataset", train, "--trusted-keys", trust)
@@ -77,7 +77,8 @@ def test_deposit_ask_eval_prereg_replay_report_audit(tmp_path: Path, key: Path, 
         prereg, replay = tmp_path / "prereg", tmp_path / "replay"
         code, pr, err = _run(capsys, "prereg", "--eval", ev, "--dataset", train, "--library", lib, "--out", prereg, "--key", key, *pin)
         assert code == 0, err
-        code, rp, err = _run(capsys, "replay", "--pre-registration", prereg, "--out", replay, "--key", key, *pin)
+        code, rp, err = _run(capsys, "replay", "--pre-registration", prereg, "--out", replay, "--key", key, *pin,
+                             "--trusted-keys", trust)
         assert code == 0, err
         assert rp["reproduced"] is True and rp["pre_registration_log_index"] == pr["log_index"] < rp["replay_log_index"]
         code, out = _verify(capsys, "replay", replay, "--pre-registration", prereg, "--trusted-keys", trust,

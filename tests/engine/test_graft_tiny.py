@@ -26,6 +26,7 @@ from kvgraft.engine import (
     load_artifact,
     load_model,
     logits_digest,
+    trust_signer,
 )
 from kvgraft.schemas import DeterminismProfile
 
@@ -37,7 +38,7 @@ CONTINUATIONS = [" x", " and then it rained for three days.", "!"]
 @pytest.mark.parametrize("continuation", CONTINUATIONS)
 def test_graft_equals_fresh_bitwise(tiny: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path, prefix: str, continuation: str) -> None:
     capture(tiny, profile, prefix, tmp_path / "a", key=key)
-    art = load_artifact(tmp_path / "a", tiny, profile)
+    art = load_artifact(tmp_path / "a", tiny, profile, trusted=trust_signer(key))
     g = graft(tiny, profile, art, continuation)
     f = fresh(tiny, profile, prefix, continuation)
     assert torch.equal(g.logits, f.logits)
@@ -47,7 +48,7 @@ def test_graft_equals_fresh_bitwise(tiny: LoadedModel, profile: DeterminismProfi
 
 def test_graft_keep_last_gives_only_the_last_positions(tiny: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path) -> None:
     capture(tiny, profile, "Hello, world.", tmp_path / "a", key=key)
-    art = load_artifact(tmp_path / "a", tiny, profile)
+    art = load_artifact(tmp_path / "a", tiny, profile, trusted=trust_signer(key))
     full = graft(tiny, profile, art, " and then it rained for three days.")
     last = graft(tiny, profile, art, " and then it rained for three days.", keep_last=1)
     assert last.logits.shape == (1, full.logits.shape[1])
@@ -71,9 +72,9 @@ def test_statement_fields(tiny: LoadedModel, profile: DeterminismProfile, key: P
 
 def test_chain_graft_equals_the_same_schedule_recomputed(tiny: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path) -> None:
     capture(tiny, profile, "Instructions: answer briefly.\n", tmp_path / "root", key=key)
-    root = load_artifact(tmp_path / "root", tiny, profile)
+    root = load_artifact(tmp_path / "root", tiny, profile, trusted=trust_signer(key))
     capture(tiny, profile, "Q: 2+2?\nA:", tmp_path / "child", key=key, parent=root)
-    child = load_artifact(tmp_path / "child", tiny, profile)
+    child = load_artifact(tmp_path / "child", tiny, profile, trusted=trust_signer(key))
     assert child.statement.predicate.parent == root.kv_digest
     assert child.statement.predicate.positions.start == root.statement.predicate.positions.end
     g = graft(tiny, profile, child, " 4")
@@ -124,29 +125,29 @@ def _refused_without_running(tiny: LoadedModel, fn, error: type[Exception], matc
     assert counter.calls == 0
 
 
-def test_tampered_tensors_refused(tiny: LoadedModel, profile: DeterminismProfile, artifact: Path) -> None:
+def test_tampered_tensors_refused(tiny: LoadedModel, profile: DeterminismProfile, artifact: Path, key: Path) -> None:
     kv = artifact / "kv.safetensors"
     data = bytearray(kv.read_bytes())
     data[-3] ^= 0x01
     kv.write_bytes(bytes(data))
-    _refused_without_running(tiny, lambda: graft(tiny, profile, load_artifact(artifact, tiny, profile), " x"), ArtifactError, "has digest sha256:.* but the statement says")
+    _refused_without_running(tiny, lambda: graft(tiny, profile, load_artifact(artifact, tiny, profile, trusted=trust_signer(key)), " x"), ArtifactError, "has digest sha256:.* but the statement says")
 
 
-def test_other_profile_refused_naming_fields(tiny: LoadedModel, profile: DeterminismProfile, artifact: Path) -> None:
+def test_other_profile_refused_naming_fields(tiny: LoadedModel, profile: DeterminismProfile, artifact: Path, key: Path) -> None:
     other = profile.model_copy(update={"threads": profile.threads + 1, "attention_implementation": "sdpa"})
-    _refused_without_running(tiny, lambda: load_artifact(artifact, tiny, other), ProfileMismatchError,
+    _refused_without_running(tiny, lambda: load_artifact(artifact, tiny, other, trusted=trust_signer(key)), ProfileMismatchError,
                              r"profile\.threads: artifact 2, here 3; profile\.attention_implementation: artifact 'eager', here 'sdpa'")
 
 
-def test_other_model_refused(tiny: LoadedModel, profile: DeterminismProfile, artifact: Path) -> None:
+def test_other_model_refused(tiny: LoadedModel, profile: DeterminismProfile, artifact: Path, key: Path) -> None:
     other = LoadedModel(tiny.spec, tiny.module, tiny.tokenizer, tiny.ref.model_copy(update={"weights_digest": "sha256:" + "0" * 64}), tiny.tokenizer_digest)
-    _refused_without_running(tiny, lambda: load_artifact(artifact, other, profile), ProfileMismatchError, r"model\.weights_digest: artifact sha256:")
+    _refused_without_running(tiny, lambda: load_artifact(artifact, other, profile, trusted=trust_signer(key)), ProfileMismatchError, r"model\.weights_digest: artifact sha256:")
 
 
 def test_wrong_parent_refused(tiny: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path) -> None:
     base = tmp_path / "chain"
     capture(tiny, profile, "parent one", base / "p1", key=key)
-    capture(tiny, profile, " child", base / "c", key=key, parent=load_artifact(base / "p1", tiny, profile))
+    capture(tiny, profile, " child", base / "c", key=key, parent=load_artifact(base / "p1", tiny, profile, trusted=trust_signer(key)))
     # Replace the parent with a different artifact under the same directory name.
     shutil.rmtree(base / "p1")
     capture(tiny, profile, "parent two", base / "p1", key=key)
@@ -154,11 +155,11 @@ def test_wrong_parent_refused(tiny: LoadedModel, profile: DeterminismProfile, ke
     for entry in index.iterdir():
         if entry.read_text().strip() == str((base / "p1").resolve()):
             entry.unlink()
-    _refused_without_running(tiny, lambda: load_artifact(base / "c", tiny, profile), ArtifactError, "parent artifact sha256:.* was not found")
+    _refused_without_running(tiny, lambda: load_artifact(base / "c", tiny, profile, trusted=trust_signer(key)), ArtifactError, "parent artifact sha256:.* was not found")
 
 
-def test_shifted_graft_is_close_but_not_exact(tiny: LoadedModel, profile: DeterminismProfile, artifact: Path) -> None:
-    art = load_artifact(artifact, tiny, profile)
+def test_shifted_graft_is_close_but_not_exact(tiny: LoadedModel, profile: DeterminismProfile, artifact: Path, key: Path) -> None:
+    art = load_artifact(artifact, tiny, profile, trusted=trust_signer(key))
     exact = graft(tiny, profile, art, " and more")
     shifted = graft(tiny, profile, art, " and more", shift=3)
     assert logits_digest(exact.logits) != logits_digest(shifted.logits)

@@ -37,6 +37,7 @@ from kvgraft.engine import (
     load_artifact,
     load_model,
     logits_digest,
+    trust_signer,
 )
 from kvgraft.engine._internal import invariant
 from kvgraft.engine._internal.kernel_errors import ScheduleError
@@ -204,7 +205,7 @@ def test_negative_control_the_default_profile_differs(case: Case) -> None:
 def test_artifact_graft_equals_single_pass_bytes(tiny: LoadedModel, inv: DeterminismProfile, key: Path, tmp_path: Path) -> None:
     prefix, text = _text(2)[:181], " and then the answer is 42."
     capture(tiny, inv, prefix, tmp_path / "a", key=key)
-    art = load_artifact(tmp_path / "a", tiny, inv)
+    art = load_artifact(tmp_path / "a", tiny, inv, trusted=trust_signer(key))
     assert art.statement.predicate.profile.exactness == "schedule-invariant"
     g = graft(tiny, inv, art, text)
     s = single_pass(tiny, inv, prefix, text)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvgraft.engine import KVState, LoadedModel, Segment, applied, capture, current_profile, load_artifact
+from kvgraft.engine import KVState, LoadedModel, Segment, applied, capture, current_profile, load_artifact, trust_signer
 from kvgraft.engine._internal.kernel_errors import KernelError
 from kvgraft.engine._internal.kvstate import rerotate as engine_rerotate
 from kvgraft.engine.kernels import (
@@ -114,7 +114,7 @@ def test_ragged_batch_of_artifacts_shares_one_cache() -> None:
 def test_artifact_through_the_paged_cache_grafts_the_same(tiny: LoadedModel, key: Path, tmp_path: Path) -> None:
     profile = current_profile("cpu-fp32-invariant")
     capture(tiny, profile, "A paged cache holds this prefix in blocks of sixteen tokens.", tmp_path / "a", key=key)
-    art = load_artifact(tmp_path / "a", tiny, profile)
+    art = load_artifact(tmp_path / "a", tiny, profile, trusted=trust_signer(key))
     (segment,) = art.segments()
     n = segment.end
     slots = slot_mapping(torch.tensor([5, 1, 3, 0, 6]), 0, n)

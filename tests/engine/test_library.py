@@ -36,11 +36,12 @@ def built_library(tmp_path_factory: pytest.TempPathFactory, tiny, profile, key: 
 
 
 @pytest.fixture()
-def tiny_library(tmp_path: Path, built_library: tuple[Path, Path], tiny, profile):  # type: ignore[no-untyped-def]
+def tiny_library(tmp_path: Path, built_library: tuple[Path, Path], tiny, profile, key: Path):  # type: ignore[no-untyped-def]
+    from kvgraft.engine import trust_signer
     from kvgraft.engine._internal.library import Library
 
     shutil.copytree(built_library[0], tmp_path / "lib")
-    return Library.open(tmp_path / "lib", tiny, profile), load_dataset(built_library[1])
+    return Library.open(tmp_path / "lib", tiny, profile, trusted=trust_signer(key)), load_dataset(built_library[1])
 
 
 def test_deposit_writes_chained_entries_and_an_index(tiny_library) -> None:  # type: ignore[no-untyped-def]
@@ -92,7 +93,7 @@ def test_reopen_and_tampering_are_caught(tiny_library, tiny, profile) -> None:  
     from kvgraft.engine._internal.library import Library
 
     lib, dataset = tiny_library
-    again = Library.open(lib.directory, tiny, profile)
+    again = Library.open(lib.directory, tiny, profile, trusted=lib.trusted)
     assert [e.artifact for e in again.entries] == [e.artifact for e in lib.entries]
     kv = lib.directory / lib.entries[0].directory / "kv.safetensors"
     data = bytearray(kv.read_bytes())
@@ -101,7 +102,7 @@ def test_reopen_and_tampering_are_caught(tiny_library, tiny, profile) -> None:  
     with pytest.raises(ArtifactError, match="has digest .* but the statement says"):
         again.ask(dataset.question(0))
     with pytest.raises(LibraryError, match="holds tiny-llama-test state under profile"):
-        Library.open(lib.directory, tiny, profile.model_copy(update={"name": "other"}))
+        Library.open(lib.directory, tiny, profile.model_copy(update={"name": "other"}), trusted=lib.trusted)
 
 
 def test_interrupted_index_line_is_ignored_and_garbage_is_refused(tiny_library, tiny, profile) -> None:  # type: ignore[no-untyped-def]
@@ -112,10 +113,10 @@ def test_interrupted_index_line_is_ignored_and_garbage_is_refused(tiny_library, 
     index = lib.directory / "index.jsonl"
     with index.open("ab") as f:
         f.write(b'{"problem_hash": "ab')  # a deposit killed mid-write
-    assert len(Library.open(lib.directory, tiny, profile).entries) == 4
+    assert len(Library.open(lib.directory, tiny, profile, trusted=lib.trusted).entries) == 4
     index.write_bytes(index.read_bytes().rsplit(b"\n", 1)[0] + b"\n" + b'{"nope": 1}\n')
     with pytest.raises(LibraryError, match="line 5 is not a library entry"):
-        Library.open(lib.directory, tiny, profile)
+        Library.open(lib.directory, tiny, profile, trusted=lib.trusted)
 
 
 def test_not_a_library(tmp_path: Path, tiny, profile, key: Path) -> None:  # type: ignore[no-untyped-def]
@@ -123,7 +124,7 @@ def test_not_a_library(tmp_path: Path, tiny, profile, key: Path) -> None:  # typ
     from kvgraft.engine._internal.library import Library
 
     with pytest.raises(LibraryError, match="is not a library"):
-        Library.open(tmp_path, tiny, profile)
+        Library.open(tmp_path, tiny, profile, insecure_skip_verify=True)
     (tmp_path / "x").write_text("x")
     with pytest.raises(LibraryError, match="exists and is not empty"):
         Library.create(tmp_path, tiny, profile, kind="gsm8k", key=key)

@@ -16,7 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvgraft.engine import LoadedModel, ProfileMismatchError, capture, fresh, graft, load_artifact, load_model
+from kvgraft.engine import (
+    LoadedModel,
+    ProfileMismatchError,
+    capture,
+    fresh,
+    graft,
+    load_artifact,
+    load_model,
+    trust_signer,
+)
 from kvgraft.schemas import DeterminismProfile
 
 pytestmark = pytest.mark.slow
@@ -47,7 +56,7 @@ def _text_of_tokens(model: LoadedModel, n: int) -> str:
 
 def _exact(model: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path, prefix: str, continuation: str) -> int:
     capture(model, profile, prefix, tmp_path / "a", key=key)
-    art = load_artifact(tmp_path / "a", model, profile)
+    art = load_artifact(tmp_path / "a", model, profile, trusted=trust_signer(key))
     g = graft(model, profile, art, continuation)
     f = fresh(model, profile, prefix, continuation)
     assert torch.equal(g.logits, f.logits), "graft and fresh logits differ"
@@ -68,7 +77,7 @@ def test_gemma3_graft_equals_fresh_past_the_sliding_window(gemma3: LoadedModel, 
     assert gemma3.sliding_window == 512
     end = _exact(gemma3, profile, key, tmp_path, _text_of_tokens(gemma3, 560), "\n\nQuestion: How many apples")
     assert end > 512
-    art = load_artifact(tmp_path / "a", gemma3, profile)
+    art = load_artifact(tmp_path / "a", gemma3, profile, trusted=trust_signer(key))
     # Sliding layers hold only their window, and say how many tokens they have seen.
     sliding = [i for i, t in enumerate(gemma3.module.config.layer_types) if t == "sliding_attention"]
     assert art.tensors[f"layers.{sliding[0]}.keys"].shape[-2] == 511
@@ -78,7 +87,7 @@ def test_gemma3_graft_equals_fresh_past_the_sliding_window(gemma3: LoadedModel, 
 def test_artifact_refused_by_the_other_model(smollm2: LoadedModel, gemma3: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path) -> None:
     capture(smollm2, profile, "Hello there.", tmp_path / "a", key=key)
     with pytest.raises(ProfileMismatchError, match=r"model\.name: artifact smollm2-135m, here gemma3-270m;.*tokenizer_digest"):
-        load_artifact(tmp_path / "a", gemma3, profile)
+        load_artifact(tmp_path / "a", gemma3, profile, trusted=trust_signer(key))
 
 
 def test_smollm2_two_processes_capture_identical_bytes(smollm2: LoadedModel, tmp_path: Path) -> None:

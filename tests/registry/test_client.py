@@ -18,7 +18,6 @@ import httpx
 import pytest
 
 from kvgraft.registry.client import (
-    BlobDigestError,
     EnvelopeSignatureError,
     EvidenceError,
     LocalFilesError,
@@ -67,13 +66,13 @@ def made(tmp_path_factory: pytest.TempPathFactory, keys: dict[str, Key]) -> Iter
     with pytest.MonkeyPatch.context() as mp:
         # capture records each artifact in $KVGRAFT_HOME/index: keep that out of the user's home.
         mp.setenv("KVGRAFT_HOME", str(base / "home"))
-        from kvgraft.engine import capture, current_profile, load_artifact, load_model
+        from kvgraft.engine import capture, current_profile, load_artifact, load_model, trust_signer
         from kvgraft.engine._internal.exactness import run_exactness
 
         model, profile = load_model("tiny-llama-test"), current_profile()
         alice = keys["alice"].path
         capture(model, profile, "Natalia sold clips to 48 of her friends in April.", base / "art" / "root", key=alice)
-        parent = load_artifact(base / "art" / "root", model, profile)
+        parent = load_artifact(base / "art" / "root", model, profile, trusted=trust_signer(alice))
         capture(model, profile, " In May she sold half as many.", base / "art" / "child", key=alice, parent=parent)
         run_exactness(model, profile, base / "rec" / "exact", samples=2, key=alice, max_tokens=40, progress=False)
         trust = base / "trust.json"
@@ -200,15 +199,16 @@ def test_publish_list_pull_restart(
                 pull(client, root_kv, out_dir)
             _no_staging_left(pulled)
 
-        # A blob altered inside the server's data directory: the pull is refused with a digest
-        # error, and nothing appears.
+        # A blob altered inside the server's data directory: the server re-hashes small blobs it
+        # serves, so it quarantines this one and answers 404; the pull is refused, nothing appears.
+        # (The client's own digest check against bytes altered in transit: tests/reliability/test_tamper.py.)
         blob = data / "blobs" / "sha256" / root_kv.removeprefix("sha256:")
         original = blob.read_bytes()
         blob.chmod(0o600)
         blob.write_bytes(bytes([original[0] ^ 1]) + original[1:])
         code, out, err = _cli(capsys, "pull", "--registry", server.url, root_kv, "--out", pulled / "tampered")
-        _one_line_failure(code, out, err, "BlobDigestError", f"blob {root_kv}")
-        with RegistryClient(server.url) as client, pytest.raises(BlobDigestError, match="hash to sha256:"):
+        _one_line_failure(code, out, err, "RegistryNotFoundError", "quarantine")
+        with RegistryClient(server.url) as client, pytest.raises(RegistryNotFoundError, match="quarantine"):
             pull(client, child_kv, pulled / "tampered-chain", with_parents=True)
         assert not (pulled / "tampered").exists() and not (pulled / "tampered-chain").exists()
         assert not (pulled / "tampered-chain.parent-1").exists()

@@ -341,9 +341,9 @@ def test_log_endpoints_and_proofs(reg: Harness, keys: dict[str, Key]) -> None:
     assert (cons["old_size"], cons["new_size"]) == (3, 5)
     verify_consistency(3, 5, old.root_hash, head.root_hash, [bytes.fromhex(h) for h in cons["hashes"]])
 
-    assert "is not in a tree of size 5" in _problem(reg.client.get("/v1/log/proof/inclusion", params={"index": 5}), 400)["detail"]
-    assert "outside the log" in _problem(reg.client.get("/v1/log/proof/inclusion", params={"index": 0, "tree_size": 6}), 400)["detail"]
-    assert "must be between 0" in _problem(reg.client.get("/v1/log/proof/consistency", params={"old": 4, "new": 2}), 400)["detail"]
+    assert "is not in a tree of size 5" in _problem(reg.client.get("/v1/log/proof/inclusion", params={"index": 5}), 404)["detail"]
+    assert "outside the log" in _problem(reg.client.get("/v1/log/proof/inclusion", params={"index": 0, "tree_size": 6}), 404)["detail"]
+    assert "must be between 0" in _problem(reg.client.get("/v1/log/proof/consistency", params={"old": 4, "new": 2}), 404)["detail"]
     assert "query index" in _problem(reg.client.get("/v1/log/proof/inclusion", params={"index": "x"}), 400)["detail"]
     _problem(reg.client.get("/v1/log/checkpoint", params={"tree_size": 99}), 404)
     assert "there is no entry 5" in _problem(reg.client.get("/v1/entries/5"), 404, "entry-not-found")["detail"]

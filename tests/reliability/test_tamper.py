@@ -253,8 +253,8 @@ FILE_CASES: list[tuple[str, str, Callable[[bytes], bytes], str, str, str, str]] 
     # region, file, change, graft error, graft message, verify error, verify message
     ("tensor data", KV, tensor_data, "ArtifactError", "has digest", "SubjectMismatchError", KV),
     ("safetensors header", KV, safetensors_header, "ArtifactError", "has digest", "SubjectMismatchError", KV),
-    ("statement payload", STATEMENT, statement_payload, "ArtifactError", "does not verify", "BadSignatureError", "does not verify"),
-    ("signature", STATEMENT, signature, "ArtifactError", "does not verify", "BadSignatureError", "does not verify"),
+    ("statement payload", STATEMENT, statement_payload, "ArtifactSignatureError", "does not verify", "BadSignatureError", "does not verify"),
+    ("signature", STATEMENT, signature, "ArtifactSignatureError", "does not verify", "BadSignatureError", "does not verify"),
 ]
 
 

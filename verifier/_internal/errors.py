@@ -6,25 +6,17 @@ and renders as one line so that ``kvgraft-verify`` can print it without a traceb
 
 from __future__ import annotations
 
+from kvgraft.schemas import KvgraftError
 
-class VerificationError(Exception):
+
+class VerificationError(KvgraftError):
     """Base class of every failure the verifier reports.
 
     Verification never returns a bool: it returns what was verified or raises one of these.
     """
 
     #: What the user can do about it; subclasses give a default, callers may override.
-    default_hint: str = "check the inputs named in the message"
-
-    def __init__(self, message: str, *, hint: str | None = None) -> None:
-        self.message = message
-        self.hint = hint if hint is not None else self.default_hint
-        super().__init__(message)
-
-    def __str__(self) -> str:
-        # One line, always: the CLI prints exactly this.
-        text = f"{self.message} (hint: {self.hint})"
-        return " ".join(text.split())
+    default_hint: str | None = "check the inputs named in the message"
 
 
 class MalformedInputError(VerificationError):

@@ -99,29 +99,51 @@ def _nice_max(value: float) -> float:
     return 10.0 ** (exponent + 1)
 
 
+def _finite(value: object) -> float | None:
+    # The value as a finite float, or None (inf, nan, an int beyond float range, not a number).
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        f = float(value)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _tick_label(value: float) -> str:
+    return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:.3g}"
+
+
 def kl_plot_svg(series: Sequence[PlotSeries], *, y_label: str = "KL(fresh || graft), nats") -> Markup:
     """A dot plot of values per sample index, one colour per series, with axes and a legend.
 
     The y axis starts at 0 so that exact samples (KL 0) lie on the axis; a series whose values
-    are all 0 is said so in the legend rather than hidden.
+    are all 0 is said so in the legend rather than hidden. Total over what a signed record may
+    hold: a value that is not finite (or an int no float can hold) is drawn at the top of the
+    axis and named in its tooltip; a point whose index is not a finite number is left out and
+    counted in the legend.
     """
     width = 880
     left, right, bottom = 64, 16, 36
     # The legend sits above the plot, one line per series, so it never covers a point.
     top = 30 + 16 * len(series)
     height = top + 200 + bottom
-    xs = [i for s in series for i, _ in s.points]
-    ys = [v for s in series for _, v in s.points if math.isfinite(v)]
-    x_max = max(xs, default=0)
+    xs = [x for s in series for i, _ in s.points if (x := _finite(i)) is not None]
+    ys = [y for s in series for _, v in s.points if (y := _finite(v)) is not None]
+    x_min = min(0.0, min(xs, default=0.0))
+    x_max = max(xs, default=0.0)
+    # Halves: the span of two finite floats may itself overflow.
+    half_span = x_max / 2 - x_min / 2
+    span = x_max - x_min
     y_max = _nice_max(max(ys, default=0.0))
     plot_w, plot_h = width - left - right, height - top - bottom
 
-    def px(i: int) -> float:
+    def px(x: float) -> float:
         # Half a step of margin at both ends keeps the first and last points off the frame.
-        return left + plot_w * (i + 0.5) / (x_max + 1)
+        return left + plot_w * ((x / 2 - x_min / 2 + 0.25) / (half_span + 0.5))
 
     def py(v: float) -> float:
-        return top + plot_h * (1 - min(v, y_max) / y_max)
+        return top + plot_h * (1 - max(0.0, min(v, y_max)) / y_max)
 
     parts = [
         f'<svg class="plot" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -133,28 +155,51 @@ def kl_plot_svg(series: Sequence[PlotSeries], *, y_label: str = "KL(fresh || gra
         y = py(v)
         parts.append(f'<line class="grid" x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}"/>')
         parts.append(f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{v:.3g}</text>')
-    ticks = sorted({0, x_max, *range(0, x_max + 1, max(1, _nice_step(x_max)))})
-    for i in ticks:
-        parts.append(f'<text class="tick" x="{px(i):.1f}" y="{top + plot_h + 16}" text-anchor="middle">{i}</text>')
+    if math.isfinite(span):
+        step = float(max(1, _nice_step(span))) if span <= 1e15 else _nice_max(span / 8)
+        count = int(span // step) + 1
+        ticks = sorted({x_min, x_max, *(x_min + k * step for k in range(min(count, 12)))})
+    else:
+        ticks = [x_min, x_max]
+    for x in ticks:
+        parts.append(
+            f'<text class="tick" x="{px(x):.1f}" y="{top + plot_h + 16}" text-anchor="middle">{_tick_label(x)}</text>'
+        )
     parts.append(f'<text class="axis-label" x="{left + plot_w / 2:.0f}" y="{height - 4}" text-anchor="middle">sample index</text>')
     parts.append(f'<text class="axis-label" x="{left}" y="{top - 8}">{escape(y_label)}</text>')
     for n, s in enumerate(series):
         values = [v for _, v in s.points]
         note = " (all 0)" if values and all(v == 0 for v in values) else ""
+        left_out = sum(1 for i, _ in s.points if _finite(i) is None)
+        if left_out:
+            note += f" ({left_out} point{'' if left_out == 1 else 's'} with an index beyond the axis not drawn)"
         label = escape(f"{s.name}{note}")
         parts.append(f'<text class="legend {escape(s.css_class)}" x="{left + plot_w}" y="{14 + 16 * n}" text-anchor="end">\u25cf {label}</text>')
     for s in series:
         for i, v in s.points:
-            shown = v if math.isfinite(v) else y_max
+            x = _finite(i)
+            if x is None:
+                continue
+            y = _finite(v)
+            shown = y if y is not None else y_max
+            value = f"{y:.6g}" if y is not None else _describe(v)
             parts.append(
-                f'<circle class="dot {escape(s.css_class)}" cx="{px(i):.1f}" cy="{py(shown):.1f}" r="3.5">'
-                f"<title>{escape(s.name)}: sample {i}, {v:.6g}</title></circle>"
+                f'<circle class="dot {escape(s.css_class)}" cx="{px(x):.1f}" cy="{py(shown):.1f}" r="3.5">'
+                f"<title>{escape(s.name)}: sample {escape(_tick_label(x))}, {escape(value)}</title></circle>"
             )
     parts.append("</svg>")
     return Markup("".join(parts))
 
 
-def _nice_step(x_max: int) -> int:
+def _describe(value: object) -> str:
+    # A value no finite float holds, in words short enough for a tooltip.
+    if isinstance(value, int) and not isinstance(value, bool):
+        digits = len(str(abs(value)))
+        return f"{'-' if value < 0 else ''}an integer of {digits} digits"
+    return str(value)[:40]
+
+
+def _nice_step(x_max: float) -> int:
     if x_max <= 10:
         return 1
     return int(_nice_max(x_max / 8))
