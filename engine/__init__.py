@@ -3,19 +3,19 @@
 Imports ``kvgraft.schemas`` and ``kvgraft.verifier`` (to sign and check); never the registry.
 """
 
+# The artifact contract (file names, the home directory, the binding hashes) lives in
+# kvgraft.schemas; the engine re-exports what its users have always found here.
+from kvgraft.schemas import KV_FILE, STATEMENT_FILE, chain_key, kvgraft_home, token_digest
+
 from ._internal.artifacts import (
     DEFAULT_MAX_CHAIN_DEPTH,
-    KV_FILE,
-    STATEMENT_FILE,
     Captured,
     LoadedArtifact,
-    chain_key,
     ensure_local_key,
     load_artifact,
     local_key_path,
     logits_digest,
     read_statement,
-    token_digest,
 )
 from ._internal.errors import (
     ArtifactError,
@@ -34,10 +34,12 @@ from ._internal.errors import (
     UnknownModelError,
     UnsafeTensorError,
 )
+from ._internal.evaluate import EvalRun, run_eval, run_replay, select, write_pre_registration
+from ._internal.exactness import run_exactness, summary_table
 from ._internal.kernel_errors import KernelError, ScheduleError
 from ._internal.kvfile import deserialize, read_kv_file, serialize
 from ._internal.kvstate import KVState, Segment
-from ._internal.library import Answer, Hit, Library
+from ._internal.library import Answer, Hit, Library, clean_solution, read_meta
 from ._internal.models import (
     MODELS,
     LoadedModel,
@@ -46,7 +48,6 @@ from ._internal.models import (
     ensure_cached,
     is_cached,
     is_installed,
-    kvgraft_home,
     load_model,
     locate_gguf,
     spec_for,
@@ -76,4 +77,6 @@ __all__ = [
     "cache_dir", "capture", "chain_key", "current_profile", "deserialize", "ensure_cached", "ensure_local_key",
     "fresh", "generate", "graft", "is_cached", "is_installed", "kvgraft_home", "load_artifact", "load_model", "local_key_path",
     "locate_gguf", "logits_digest", "read_kv_file", "read_text", "require_same", "serialize", "spec_for", "token_digest",
+    "EvalRun", "clean_solution", "read_meta", "run_eval", "run_exactness", "run_replay", "select", "summary_table",
+    "write_pre_registration",
 ]

@@ -7,6 +7,7 @@ The distribution holds these packages (see docs/architecture.md):
 - ``kvgraft.engine``: models, determinism, capture and graft (extra ``engine``);
 - ``kvgraft.registry``: the registry service (extra ``registry``);
 - ``kvgraft.web``: the provenance UI served by the registry.
+- ``kvgraft.cli``: the ``kvgraft`` command, one module per command group (imports the others lazily).
 """
 
 from __future__ import annotations

@@ -5,12 +5,18 @@ uvicorn); ``RegistrySettings`` holds its limits. Every failure is a ``RegistryEr
 class fixes the HTTP status and the RFC 9457 problem type. The HTTP API is documented in
 docs/registry.md.
 
-Importing this package does not import litestar or duckdb: ``create_app`` loads them on first
-use, so ``kvgraft`` commands that need no server work without the ``registry`` extra.
+``serve`` (uvicorn over a data directory), ``admin_session`` (tokens and keys, through a running
+server or the database) and ``fsck`` (check a stopped registry's data) are what the ``kvgraft
+serve``, ``token``, ``key`` and ``fsck`` commands run (``kvgraft/cli/serve.py``).
+
+Importing this package does not import litestar or duckdb: ``create_app``, ``serve``,
+``admin_session`` and ``fsck`` load them on first use, so ``kvgraft`` commands that need no
+server work without the ``registry`` extra.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._internal.errors import (
@@ -31,19 +37,25 @@ from ._internal.errors import (
 from ._internal.settings import RegistrySettings
 
 if TYPE_CHECKING:
+    from ._internal.admin import admin_session
     from ._internal.app import create_app
+    from ._internal.fsck import fsck
+    from ._internal.server import serve
 
 __all__ = [
     "AuthenticationError", "BadDigestError", "BadRequestError", "BlobDigestMismatchError", "InvalidSignatureError",
     "InvalidStatementError", "KeyNotBoundError", "MissingBlobsError", "NotFoundError", "PayloadTooLargeError",
     "RangeNotSatisfiableError", "RegistryError", "RegistrySettings", "TokenRevokedError", "create_app",
+    "admin_session", "fsck", "serve",
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # Lazy: the app pulls in litestar, duckdb and anyio.
-    if name == "create_app":
-        from ._internal.app import create_app
+#: Loaded on first use, each from its ``_internal`` module: the app pulls in litestar, duckdb and
+#: anyio; the server uvicorn; the admin commands and fsck open DuckDB.
+_LAZY = {"create_app": "app", "serve": "server", "admin_session": "admin", "fsck": "fsck"}
 
-        return create_app
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"._internal.{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,65 +3,46 @@ from a registry (docs/records.md, "Audit").
 
 ``write_log_proofs`` fixes one signed checkpoint and writes, beside each published envelope, the
 inclusion proof (``log.json``) of its exact bytes at that checkpoint's size. ``fetch_report``
-pulls entries back into the layout ``kvgraft-verify audit`` reads: every blob hashed while it
-streams, every envelope checked against the digest the log holds, nothing visible until the
-folder is complete. The registry's sizes are bounded as for every client command (the
-client's ``ClientLimits``), a full disk is one ``DiskFullError`` with nothing left behind, and
-the checkpoint is checked against the one remembered for the log (``CheckpointMemory``).
+pulls entries back into the layout ``kvgraft-verify audit`` reads (``kvgraft.schemas``'s
+``REPORT_FOLDERS``): every blob hashed while it streams, every envelope checked against the
+digest the log holds, nothing visible until the folder is complete (a ``StagedDirectory``).
+The registry's sizes are bounded as for every client command (the client's ``ClientLimits``),
+a full disk is one ``DiskFullError`` with nothing left behind, and the checkpoint is checked
+against the one remembered for the log (``CheckpointMemory``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvgraft.schemas import (
-    EVALUATION_PREDICATE,
-    EXACTNESS_PREDICATE,
-    KV_ARTIFACT_PREDICATE,
-    PRE_REGISTRATION_PREDICATE,
-    REPLAY_PREDICATE,
+    CHECKPOINT_FILE,
+    LOG_PROOF_FILE,
+    REGISTRY_KEY_FILE,
+    REPORT_FOLDERS,
+    dump_wire,
+    write_atomic,
 )
-from kvgraft.verifier import write_atomic
+from kvgraft.verifier import public_key_pem
 
 from .client import (
-    RECORD_FILE,
-    STATEMENT_FILE,
-    LocalFilesError,
     RegistryClient,
     RegistryKey,
     RegistryResponseError,
-    _safe_path,
-    _statement_of,
+    commit,
+    envelope_file,
     local_write_error,
-    public_key_pem,
+    safe_path,
+    stage,
+    statement_of,
 )
 
-LOG_PROOF_FILE = "log.json"
-CHECKPOINT_FILE = "checkpoint.txt"
-REGISTRY_KEY_FILE = "registry-key.pub.pem"
-
-#: Report sub-folder and envelope file name per predicate type.
-LAYOUT = {
-    KV_ARTIFACT_PREDICATE: ("artifacts", STATEMENT_FILE),
-    EXACTNESS_PREDICATE: ("exactness", RECORD_FILE),
-    EVALUATION_PREDICATE: ("evaluations", RECORD_FILE),
-    PRE_REGISTRATION_PREDICATE: ("pre-registrations", RECORD_FILE),
-    REPLAY_PREDICATE: ("replays", RECORD_FILE),
-}
-
-
-def _envelope_file(directory: Path) -> Path:
-    for name in (STATEMENT_FILE, RECORD_FILE):
-        if (directory / name).is_file():
-            return directory / name
-    raise LocalFilesError(f"{directory} holds neither {STATEMENT_FILE} nor {RECORD_FILE}")
+#: Report sub-folder and envelope file name per predicate type (the artifact contract's).
+LAYOUT = REPORT_FOLDERS
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -71,12 +52,7 @@ def _write(path: Path, data: bytes) -> None:
 def log_index_of(client: RegistryClient, envelope: bytes) -> int:
     """The log index of the entry whose envelope is exactly ``envelope``."""
     digest = "sha256:" + hashlib.sha256(envelope).hexdigest()
-    doc = client.entry(digest)
-    entry = doc.get("entry")
-    index = entry.get("log_index") if isinstance(entry, dict) else None
-    if not isinstance(index, int):
-        raise RegistryResponseError(f"{client.url}: the entry {digest} came back without a log index")
-    return index
+    return client.entry(digest).entry.log_index
 
 
 @dataclass(frozen=True)
@@ -89,16 +65,19 @@ class Proven:
 
 def write_log_proofs(client: RegistryClient, key: RegistryKey, directories: Iterable[Path], checkpoint_out: Path) -> Proven:
     """Write ``log.json`` (inclusion at one signed checkpoint) into each directory, and the
-    checkpoint itself to ``checkpoint_out``; the checkpoint's signature is checked first."""
+    checkpoint itself to ``checkpoint_out``; the checkpoint's signature is checked first.
+
+    ``log.json`` is the registry's ``InclusionProof`` document (``log_index``, ``tree_size``,
+    ``hashes``), as ``kvgraft-verify log --inclusion`` reads it."""
     head, note = client.signed_head(key)
     indexes: dict[Path, int] = {}
     for directory in directories:
-        envelope = _envelope_file(directory).read_bytes()
+        envelope = envelope_file(directory).read_bytes()
         index = log_index_of(client, envelope)
         if index >= head.size:
             raise RegistryResponseError(f"{client.url}: entry {index} is past the checkpoint's size {head.size}")
         proof = client.inclusion_proof(index, tree_size=head.size)
-        _write(directory / LOG_PROOF_FILE, json.dumps(proof, indent=2).encode() + b"\n")
+        _write(directory / LOG_PROOF_FILE, json.dumps(dump_wire(proof), indent=2).encode() + b"\n")
         indexes[directory] = index
     checkpoint_out.parent.mkdir(parents=True, exist_ok=True)
     _write(checkpoint_out, note)
@@ -111,23 +90,17 @@ def fetch_report(client: RegistryClient, key: RegistryKey, refs: Iterable[str], 
 
     Returns the report's relative directories per sub-folder. ``out`` appears only when complete.
     """
-    if out.exists():
-        raise LocalFilesError(f"{out} already exists", hint="fetch a report into a new directory")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    except OSError as e:
-        raise local_write_error(e, out, out.parent) from e
+    staged = stage(out, tag="tmp", hint="fetch a report into a new directory")
+    tmp = staged.path
     made: dict[str, list[str]] = {}
     try:
         dirs = []
         for ref in refs:
             envelope = client.envelope(ref)
             digest = "sha256:" + hashlib.sha256(envelope).hexdigest()
-            stored = client.entry(digest).get("entry", {})
-            if not isinstance(stored, dict) or stored.get("digest", digest) != digest:
+            if client.entry(digest).entry.digest != digest:
                 raise RegistryResponseError(f"{client.url}: entry {ref} served an envelope whose digest is {digest}")
-            statement = _statement_of(envelope, f"entry {ref}")
+            statement = statement_of(envelope, f"entry {ref}")
             if statement.predicate_type not in LAYOUT:
                 continue  # a record type audits do not cover
             folder, file_name = LAYOUT[statement.predicate_type]
@@ -135,7 +108,7 @@ def fetch_report(client: RegistryClient, key: RegistryKey, refs: Iterable[str], 
             directory.mkdir(parents=True)
             _write(directory / file_name, envelope)
             for s in statement.subject:
-                dest = _safe_path(directory, s.name, f"entry {ref}")
+                dest = safe_path(directory, s.name, f"entry {ref}")
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 client.download_blob("sha256:" + s.digest.sha256, dest, space_dir=out.parent)
             dirs.append(directory)
@@ -143,11 +116,11 @@ def fetch_report(client: RegistryClient, key: RegistryKey, refs: Iterable[str], 
         write_log_proofs(client, key, dirs, tmp / CHECKPOINT_FILE)
         # The key the checkpoint was just verified with (pinned, or trusted on first use).
         _write(tmp / REGISTRY_KEY_FILE, public_key_pem(key.public_key))
-        os.replace(tmp, out)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staged.discard()
         raise local_write_error(e, out, out.parent) from e
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staged.discard()
         raise
+    commit(staged)
     return made

@@ -1,4 +1,9 @@
-"""kvgraft's data contracts: typed documents, RFC 8785 canonical JSON and digest types.
+"""kvgraft's data contracts: typed documents, RFC 8785 canonical JSON, digest types, and the
+on-disk layout of artifacts and records (file names, the home directory and its local index,
+``chain_key``/``token_digest``, unverified statement reading, the staged-directory writer).
+
+The registry's wire format (the typed JSON bodies of its HTTP API, shared by the service, the UI
+and the client) lives here too.
 
 Nothing here imports torch, the engine or the registry: the standalone verifier depends on it.
 Regenerate the JSON Schema files with ``python -m kvgraft.schemas``.
@@ -28,7 +33,46 @@ from ._internal.documents import (
     write_json_schemas,
 )
 from ._internal.dsse import IN_TOTO_PAYLOAD_TYPE, Envelope, Signature
-from ._internal.errors import CanonicalizationError, DocumentError, InvalidDigestError, KvgraftError, SchemaError
+from ._internal.errors import (
+    CanonicalizationError,
+    DirectoryExistsError,
+    DocumentError,
+    InvalidDigestError,
+    KvgraftError,
+    SchemaError,
+)
+from ._internal.layout import (
+    CHECKPOINT_FILE,
+    EXPECTED_OUTPUTS_FILE,
+    KV_FILE,
+    LIBRARY_ENTRIES_DIR,
+    LIBRARY_FILE,
+    LIBRARY_INDEX_FILE,
+    LIBRARY_PREFIX_DIR,
+    LOG_PROOF_FILE,
+    LOGITS_DIR,
+    OUTPUTS_FILE,
+    RECORD_FILE,
+    REGISTRY_KEY_FILE,
+    REPORT_DATASETS_DIR,
+    REPORT_FOLDERS,
+    STATEMENT_FILE,
+    SUMMARY_FILE,
+    TRUSTED_KEYS_FILE,
+    StagedDirectory,
+    artifact_candidates,
+    chain_key,
+    decode_base64,
+    fsync_path,
+    kvgraft_home,
+    local_index_path,
+    payload_unverified,
+    remember_artifact,
+    statement_unverified,
+    token_digest,
+    write_atomic,
+    write_staged_directory,
+)
 from ._internal.predicates import (
     KV_ARTIFACT_PREDICATE,
     DeterminismProfile,
@@ -62,8 +106,51 @@ from ._internal.records import (
     ReplayStatement,
 )
 from ._internal.statement import STATEMENT_TYPE, Contract, Statement, Subject, SubjectDigest
+from ._internal.wire import (
+    DIGEST_PATTERN,
+    MAX_TREE_SIZE,
+    ArtifactBlock,
+    ArtifactDocument,
+    ArtifactPage,
+    ArtifactSummary,
+    BlobStored,
+    ConsistencyProof,
+    DsseEnvelope,
+    DsseSignature,
+    EntryDocument,
+    EntryMeta,
+    EntryPage,
+    InclusionProof,
+    Lineage,
+    ListedItem,
+    Listing,
+    LogKey,
+    MissingParent,
+    ModelBlock,
+    OtherEntry,
+    PostedEnvelope,
+    PostedSignature,
+    Problem,
+    Publisher,
+    PublisherKey,
+    PublisherList,
+    SubjectRef,
+    Wire,
+    dump_wire,
+)
 
 __all__ = [
+    # the registry's wire format (schemas/_internal/wire.py)
+    "DIGEST_PATTERN", "MAX_TREE_SIZE", "ArtifactBlock", "ArtifactDocument", "ArtifactPage", "ArtifactSummary",
+    "BlobStored", "ConsistencyProof", "DsseEnvelope", "DsseSignature", "EntryDocument", "EntryMeta", "EntryPage",
+    "InclusionProof", "Lineage", "ListedItem", "Listing", "LogKey", "MissingParent", "ModelBlock", "OtherEntry",
+    "PostedEnvelope", "PostedSignature", "Problem", "Publisher", "PublisherKey", "PublisherList", "SubjectRef",
+    "Wire", "dump_wire",
+    "CHECKPOINT_FILE", "EXPECTED_OUTPUTS_FILE", "KV_FILE", "LIBRARY_ENTRIES_DIR", "LIBRARY_FILE", "LIBRARY_INDEX_FILE",
+    "LIBRARY_PREFIX_DIR", "LOG_PROOF_FILE", "LOGITS_DIR", "OUTPUTS_FILE", "RECORD_FILE", "REGISTRY_KEY_FILE", "REPORT_DATASETS_DIR", "REPORT_FOLDERS", "STATEMENT_FILE", "SUMMARY_FILE",
+    "TRUSTED_KEYS_FILE", "DirectoryExistsError", "StagedDirectory", "artifact_candidates", "chain_key",
+    "decode_base64", "fsync_path", "kvgraft_home", "local_index_path", "payload_unverified", "remember_artifact",
+    "statement_unverified", "token_digest", "write_atomic", "write_staged_directory",
     "CanonicalizationError", "Contract", "DatasetRef", "DeterminismProfile", "DigestField",
     "DocumentError", "EVALUATION_PREDICATE", "EXACTNESS_PREDICATE", "Envelope",
     "EvaluationAggregates", "EvaluationItem", "EvaluationPredicate", "EvaluationStatement",

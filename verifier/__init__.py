@@ -4,6 +4,10 @@ Verification functions return what they proved or raise a subclass of ``Verifica
 they never return a bool.
 """
 
+# The record file names and the atomic writer belong to the artifact contract (kvgraft.schemas);
+# they are re-exported here because verifier users have always found them here.
+from kvgraft.schemas import EXPECTED_OUTPUTS_FILE, LOG_PROOF_FILE, LOGITS_DIR, OUTPUTS_FILE, RECORD_FILE, write_atomic
+
 from ._internal.audit import AuditLine, AuditReport, audit_report
 from ._internal.dsse import (
     VerifiedEnvelope,
@@ -19,6 +23,7 @@ from ._internal.dsse import (
 )
 from ._internal.errors import (
     BadSignatureError,
+    ChainKeyMismatchError,
     ClaimMismatchError,
     DigestMismatchError,
     IdentityMismatchError,
@@ -28,14 +33,13 @@ from ._internal.errors import (
     MalformedInputError,
     SubjectMismatchError,
     ThresholdNotMetError,
+    TokenDigestMismatchError,
     UnknownKeyError,
     UnsupportedPayloadTypeError,
     UntrustedRootError,
     VerificationError,
 )
 from ._internal.evaluation import (
-    LOG_PROOF_FILE,
-    OUTPUTS_FILE,
     OutputLine,
     VerifiedEvaluation,
     evaluation_aggregates,
@@ -46,8 +50,6 @@ from ._internal.evaluation import (
     verify_evaluation_record,
 )
 from ._internal.exactness import (
-    LOGITS_DIR,
-    RECORD_FILE,
     LogitsComparison,
     compare_logits,
     logits_file_name,
@@ -83,10 +85,9 @@ from ._internal.keys import (
     save_private_key,
     save_public_key,
     trusted_key,
-    write_atomic,
 )
+from ._internal.lineage import ArtifactLineage, verify_artifact_lineage
 from ._internal.replay import (
-    EXPECTED_OUTPUTS_FILE,
     VerifiedPreRegistration,
     VerifiedReplay,
     load_checkpoint,
@@ -125,5 +126,6 @@ __all__ = [
     "VerifiedPreRegistration", "VerifiedReplay", "evaluation_aggregates", "load_checkpoint", "output_hash",
     "outputs_file_bytes", "parse_outputs", "read_outputs", "verify_evaluation_record", "verify_log_proof",
     "verify_pre_registration", "verify_replay",
+    "ArtifactLineage", "ChainKeyMismatchError", "TokenDigestMismatchError", "verify_artifact_lineage",
     "LOGITS_DIR", "RECORD_FILE", "LogitsComparison", "compare_logits", "logits_file_name", "read_logits", "verify_exactness_record", "verify_envelope", "verify_statement_envelope", "verify_subjects", "write_atomic",
 ]

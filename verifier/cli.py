@@ -16,15 +16,24 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
-from kvgraft.schemas import InvalidDigestError, SchemaError, Sha256Digest, parse_sha256, sha256_bytes
+from kvgraft.schemas import (
+    STATEMENT_FILE,
+    InvalidDigestError,
+    KvArtifactStatement,
+    SchemaError,
+    Sha256Digest,
+    parse_sha256,
+    sha256_bytes,
+)
 
 from ._internal.audit import audit_report
 from ._internal.dsse import read_envelope, verify_envelope, verify_statement_envelope
-from ._internal.errors import MalformedInputError, VerificationError
+from ._internal.errors import DigestMismatchError, MalformedInputError, VerificationError
 from ._internal.evaluation import verify_evaluation_record
 from ._internal.exactness import verify_exactness_record
 from ._internal.grading import load_dataset
-from ._internal.keys import load_trusted_keys, read_limited
+from ._internal.keys import TrustedKeys, load_trusted_keys, read_limited
+from ._internal.lineage import verify_artifact_lineage
 from ._internal.replay import load_checkpoint, verify_replay
 from ._internal.subjects import verify_subjects
 from ._internal.tlog_cli import add_log_parser
@@ -40,9 +49,28 @@ class ExitCode(IntEnum):
     USAGE = 2
 
 
+def _parent_statement(parent_dir: Path, trusted: TrustedKeys) -> KvArtifactStatement:
+    """The parent artifact's statement: signed by ``trusted``, about the files in ``parent_dir``,
+    and its own token digest (and chain key, for a root) recomputed."""
+    envelope_path = parent_dir / STATEMENT_FILE
+    _, statement = verify_statement_envelope(read_envelope(envelope_path), trusted)
+    if not isinstance(statement, KvArtifactStatement):
+        raise MalformedInputError(f"{envelope_path} is a {statement.predicate_type} statement, not a KV artifact",
+                                  hint="pass the parent artifact's directory as --parent-dir")
+    verify_subjects(statement, parent_dir, exclude=[envelope_path])
+    try:
+        verify_artifact_lineage(statement)
+    except DigestMismatchError as e:
+        raise type(e)(f"the parent artifact {parent_dir}: {e.message}", hint=e.hint) from e
+    return statement
+
+
 def _cmd_envelope(args: argparse.Namespace) -> dict[str, Any]:
     trusted = load_trusted_keys(args.trusted_keys)
     envelope = read_envelope(args.envelope)
+    if args.parent_dir is not None and args.artifact_dir is None:
+        raise MalformedInputError("--parent-dir checks an artifact's chain key, which needs --artifact-dir",
+                                  hint="pass the artifact's directory as --artifact-dir too")
     if args.dsse_only:
         if args.artifact_dir is not None:
             raise MalformedInputError(
@@ -66,10 +94,20 @@ def _cmd_envelope(args: argparse.Namespace) -> dict[str, Any]:
         "signers": [{"name": k.name, "keyid": k.keyid} for k in verified.signers],
         "subjects": [s.name for s in statement.subject],
     }
+    lineage = ""
     if args.artifact_dir is not None:
         result["subjects_checked"] = verify_subjects(statement, args.artifact_dir, exclude=[args.envelope])
+        if isinstance(statement, KvArtifactStatement):
+            parent = _parent_statement(args.parent_dir, trusted) if args.parent_dir is not None else None
+            checked_lineage = verify_artifact_lineage(statement, parent)
+            result["token_digest"] = "matches"
+            result["chain_key"] = checked_lineage.chain_key
+            lineage = "; " + checked_lineage.describe()
+        elif args.parent_dir is not None:
+            raise MalformedInputError(f"--parent-dir is for KV artifacts; this is a {statement.predicate_type} statement",
+                                      hint="drop --parent-dir")
     signers = ", ".join(f"{k.name} ({k.keyid[:16]})" for k in verified.signers)
-    checked = f"; {len(result['subjects_checked'])} subject file(s) match" if "subjects_checked" in result else ""
+    checked = f"; {len(result['subjects_checked'])} subject file(s) match{lineage}" if "subjects_checked" in result else ""
     result["summary"] = f"OK: {statement.predicate_type} statement signed by {signers}{checked}"
     return result
 
@@ -207,7 +245,18 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser("envelope", help="verify a DSSE envelope against trusted keys (and its subjects)")
     env.add_argument("envelope", type=Path, help="the .dsse.json envelope")
     env.add_argument("--trusted-keys", type=Path, required=True, help="trusted-keys JSON file")
-    env.add_argument("--artifact-dir", type=Path, help="check that this directory holds exactly the subjects")
+    env.add_argument(
+        "--artifact-dir",
+        type=Path,
+        help="check that this directory holds exactly the subjects; for a KV artifact also recompute its token "
+        "digest, and a root's chain key",
+    )
+    env.add_argument(
+        "--parent-dir",
+        type=Path,
+        help="with --artifact-dir: the parent artifact's directory (its envelope verified with the same keys); "
+        "recompute the child's chain key from the parent's",
+    )
     env.add_argument(
         "--dsse-only",
         action="store_true",

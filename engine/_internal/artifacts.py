@@ -12,12 +12,7 @@ would fail those last checks.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-import hashlib
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,28 +20,32 @@ import torch
 
 import kvgraft
 from kvgraft.schemas import (
+    KV_FILE,
+    STATEMENT_FILE,
     DeterminismProfile,
     DocumentError,
     KvArtifactPredicate,
     KvArtifactStatement,
-    ModelRef,
     PositionRange,
     Sha256Digest,
     SourceText,
     Subject,
     SubjectDigest,
     TokenSpan,
-    canonical_json,
-    canonical_model,
+    artifact_candidates,
+    chain_key,
     hex_of,
-    parse_statement,
+    kvgraft_home,
+    remember_artifact,
     sha256_bytes,
+    statement_unverified,
+    token_digest,
+    write_staged_directory,
 )
 from kvgraft.verifier import (
     MalformedInputError,
     TrustedKeys,
     VerificationError,
-    b64decode_any,
     envelope_json,
     generate_private_key,
     open_signing_key,
@@ -67,38 +66,16 @@ from .errors import (
 )
 from .kvfile import deserialize, serialize
 from .kvstate import KVState, Segment
-from .models import LoadedModel, kvgraft_home
+from .models import LoadedModel
 from .profiles import require_same
 from .trust import SKIPPED
 
-KV_FILE = "kv.safetensors"
-STATEMENT_FILE = "statement.dsse.json"
 _KV_METADATA = {"format": "kvgraft-kv-state/v1"}
 
 
 def logits_digest(logits: torch.Tensor) -> Sha256Digest:
     """sha256 of float32 little-endian row-major bytes of ``logits``."""
     return sha256_bytes(logits.detach().to(torch.float32).contiguous().numpy().astype("<f4", copy=False).tobytes())
-
-
-def token_digest(ids: list[int] | tuple[int, ...]) -> Sha256Digest:
-    """sha256 of the canonical JSON list of token ids."""
-    return sha256_bytes(canonical_json(list(ids)))
-
-
-def chain_key(parent_key: Sha256Digest | None, model: ModelRef, tokenizer: Sha256Digest, profile: DeterminismProfile, ids: list[int]) -> Sha256Digest:
-    """``sha256(parent_key || model || profile || token ids)``, every part fixed-length or canonical.
-
-    The parent key is its 32 raw bytes (32 zero bytes for a root); model, tokenizer and profile
-    enter as the sha256 of their canonical JSON; the ids as canonical JSON.
-    """
-    h = hashlib.sha256()
-    h.update(bytes.fromhex(hex_of(parent_key)) if parent_key else b"\0" * 32)
-    h.update(hashlib.sha256(canonical_model(model)).digest())
-    h.update(bytes.fromhex(hex_of(tokenizer)))
-    h.update(hashlib.sha256(canonical_model(profile)).digest())
-    h.update(canonical_json(list(ids)))
-    return Sha256Digest("sha256:" + h.hexdigest())
 
 
 # --- keys --------------------------------------------------------------------------------------
@@ -132,14 +109,6 @@ class Captured:
     statement: KvArtifactStatement
     kv_digest: Sha256Digest
     keyid: str
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_artifact(
@@ -184,40 +153,12 @@ def write_artifact(
     with open_signing_key(key, passphrase) as signer:
         envelope = sign_statement(statement, [signer])
         keyid = signer.keyid
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
-        for name, content in ((KV_FILE, data), (STATEMENT_FILE, envelope_json(envelope))):
-            with (tmp / name).open("wb") as f:
-                f.write(content)
-                f.flush()
-                os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.replace(tmp, out)
-        _fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _remember(out, kv_digest)
+    write_staged_directory(out, {KV_FILE: data, STATEMENT_FILE: envelope_json(envelope)}, replace_empty=True)
+    remember_artifact(out, kv_digest)
     return Captured(out, statement, kv_digest, keyid)
 
 
 # --- the local index: where artifacts live, by their tensors' digest -------------------------------
-
-
-def _index_path(kv_digest: Sha256Digest) -> Path:
-    return kvgraft_home() / "index" / hex_of(kv_digest)
-
-
-def _remember(directory: Path, kv_digest: Sha256Digest) -> None:
-    # The index only points; whatever it points at is re-verified when used.
-    path = _index_path(kv_digest)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(str(directory.resolve()))
-    os.replace(tmp, path)
 
 
 def find_artifact(kv_digest: Sha256Digest, near: Path, digests: dict[Path, Sha256Digest | None] | None = None) -> Path:
@@ -227,11 +168,8 @@ def find_artifact(kv_digest: Sha256Digest, near: Path, digests: dict[Path, Sha25
     a deep chain hashes each sibling once, not once per link.
     """
     memo: dict[Path, Sha256Digest | None] = {} if digests is None else digests
-    candidates = []
-    with contextlib.suppress(OSError):
-        candidates.append(Path(_index_path(kv_digest).read_text().strip()))
-    candidates += sorted(p for p in near.parent.iterdir() if p.is_dir()) if near.parent.is_dir() else []
-    for c in candidates:
+    # The index only points; whatever it points at is hashed here and re-verified when loaded.
+    for c in artifact_candidates(kv_digest, near):
         if c not in memo:
             kv = c / KV_FILE
             try:
@@ -304,8 +242,7 @@ def read_statement(directory: Path, trusted: TrustedKeys | None, skip: bool = Fa
             verified, statement = verify_statement_envelope(envelope, trusted)
             signature = "verified: " + ", ".join(k.name for k in verified.signers)
         elif skip:
-            payload = b64decode_any(envelope.payload, what="envelope payload")
-            statement = parse_statement(payload, what=f"statement in {env_path}")
+            statement = statement_unverified(envelope, what=str(env_path))
             signature = SKIPPED
         else:
             raise _no_keys(directory)

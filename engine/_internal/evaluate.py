@@ -9,9 +9,7 @@ command in a fresh process and records whether every output hash came back.
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from kvgraft.schemas import (
+    EXPECTED_OUTPUTS_FILE,
+    OUTPUTS_FILE,
+    RECORD_FILE,
     DatasetRef,
     DeterminismProfile,
     DocumentError,
@@ -37,14 +38,14 @@ from kvgraft.schemas import (
     Subject,
     SubjectDigest,
     hex_of,
-    parse_statement,
     sha256_bytes,
+    statement_unverified,
+    write_staged_directory,
 )
 from kvgraft.verifier import (
     Dataset,
     OutputLine,
     VerificationError,
-    b64decode_any,
     envelope_json,
     evaluation_aggregates,
     grade,
@@ -59,14 +60,9 @@ from kvgraft.verifier import (
 )
 
 from .errors import EvaluationError
-from .kvstate import KVState
-from .library import INSTRUCTION, EnergyMeter, Library, decode, question_text, stop_after_boxed
+from .library import INSTRUCTION, EnergyMeter, Library, question_text, stop_after_boxed
 from .models import LoadedModel
-from .profiles import applied
-
-RECORD_FILE = "record.dsse.json"
-OUTPUTS_FILE = "outputs.jsonl"
-EXPECTED_OUTPUTS_FILE = "expected-outputs.jsonl"
+from .ops import continue_from
 
 
 def select(dataset: Dataset, limit: int | None, seed: int | None) -> list[int]:
@@ -96,20 +92,7 @@ def _write_record_dir(out: Path, statement: Statement, files: dict[str, bytes], 
         raise EvaluationError(f"{out} already exists and is not an empty directory", hint="choose a new --out directory")
     with open_signing_key(key, passphrase) as signer:
         envelope = sign_statement(statement, [signer])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
-        for name, data in {**files, RECORD_FILE: envelope_json(envelope)}.items():
-            with (tmp / name).open("wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    write_staged_directory(out, {**files, RECORD_FILE: envelope_json(envelope)}, replace_empty=True)
 
 
 def _subject(name: str, data: bytes) -> Subject:
@@ -152,11 +135,11 @@ def run_eval(
             prompt_tokens, decode_tokens = answer.prompt_tokens, answer.decode_tokens
         else:
             prompt = INSTRUCTION + question_text(question)
-            with applied(profile):
-                state = KVState(model)
-                ids = model.tokenizer.encode(prompt, first=True)
-                logits = state.extend(ids, keep_last=1)
-                output, decode_tokens = decode(model, state, logits, max_new_tokens, stop_after_boxed)
+            ids = model.tokenizer.encode(prompt, first=True)
+            # From an empty state, decoded as Library.ask decodes (EOS ends the output, not part of it).
+            decoded = continue_from(model, profile, None, ids, max_new_tokens=max_new_tokens, keep_eos=False,
+                                    stop=stop_after_boxed)
+            output, decode_tokens = decoded.text, len(decoded.tokens)
             prompt_tokens, entry = len(ids), None
         tokens_run += prompt_tokens + decode_tokens
         graded = grade(dataset, doc_id, output)
@@ -205,7 +188,7 @@ def read_record(directory: Path, kind: type[Statement]) -> tuple[bytes, Any]:
     path = directory / RECORD_FILE
     try:
         raw = path.read_bytes()
-        statement = parse_statement(b64decode_any(read_envelope(path).payload, what="envelope payload"), what=str(path))
+        statement = statement_unverified(read_envelope(path), what=str(path))
     except OSError as e:
         raise EvaluationError(f"cannot read {path}: {e.strerror}", hint="pass the record directory") from e
     except (VerificationError, DocumentError) as e:

@@ -13,7 +13,6 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kvgraft.schemas import (
+    RECORD_FILE,
     DatasetRef,
     DeterminismProfile,
     ExactnessPredicate,
@@ -29,14 +29,16 @@ from kvgraft.schemas import (
     ExactnessStatement,
     ExactnessSummary,
     LogitsFiles,
+    Sha256Digest,
+    StagedDirectory,
     Subject,
     SubjectDigest,
     hex_of,
     sha256_bytes,
     sha256_file,
+    token_digest,
 )
 from kvgraft.verifier import (
-    RECORD_FILE,
     compare_logits,
     envelope_json,
     logits_file_name,
@@ -44,7 +46,7 @@ from kvgraft.verifier import (
     sign_statement,
 )
 
-from .artifacts import load_artifact, logits_digest, token_digest
+from .artifacts import load_artifact, logits_digest
 from .errors import ArtifactError, InputTextError
 from .models import LoadedModel
 from .ops import capture, fresh, graft
@@ -101,13 +103,11 @@ def draw_pairs(model: LoadedModel, samples: int, seed: int, *, min_tokens: int, 
         yield Pair(prefix=prefix, continuation=model.tokenizer.decode(nxt))
 
 
-def _write_logits(directory: Path, arr: np.ndarray) -> str:
+def _write_logits(stage: StagedDirectory, arr: np.ndarray) -> Sha256Digest:
     data = np.ascontiguousarray(arr, dtype="<f4").tobytes()
     digest = sha256_bytes(data)
-    path = directory / logits_file_name(digest)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
+    if not (stage.path / logits_file_name(digest)).exists():  # equal logits share one file
+        stage.write(logits_file_name(digest), data)
     return digest
 
 
@@ -137,12 +137,11 @@ def run_exactness(
         max_tokens = 2 * model.sliding_window if model.sliding_window else 768
     max_tokens = min(max_tokens, model.spec.window - continuation_tokens - abs(shift) - 8)
     _, refs = _documents()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    work = tmp / "artifacts"
+    stage = StagedDirectory(out)
+    work = stage.path / "artifacts"
     own = trust_signer(key, passphrase)
     results: list[ExactnessSample] = []
-    try:
+    with stage:
         pairs = draw_pairs(model, samples, seed, min_tokens=min_tokens, max_tokens=max_tokens, continuation_tokens=continuation_tokens)
         bar = tqdm(pairs, total=samples, desc=f"exactness {model.spec.name}", unit="sample", disable=not progress, file=sys.stderr)
         for index, pair in enumerate(bar):
@@ -156,7 +155,7 @@ def run_exactness(
                 raise ArtifactError(f"sample {index}: fresh and graft tokenized differently", hint="a bug: report it")
             fl, gl = f.logits.numpy(), g.logits.numpy()
             cmp = compare_logits(fl, gl)
-            fd, gd = _write_logits(tmp, fl), _write_logits(tmp, gl)
+            fd, gd = _write_logits(stage, fl), _write_logits(stage, gl)
             if fd != logits_digest(f.logits) or gd != logits_digest(g.logits):
                 raise ArtifactError("logits bytes changed between torch and numpy", hint="a bug: report it")
             results.append(ExactnessSample(
@@ -193,11 +192,7 @@ def run_exactness(
             ),
         )
         with open_signing_key(key, passphrase) as signer:
-            (tmp / RECORD_FILE).write_bytes(envelope_json(sign_statement(statement, [signer])))
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            stage.write(RECORD_FILE, envelope_json(sign_statement(statement, [signer])))
     return statement
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
+from ..kernels import rerotate_reference
 from . import invariant
 from .errors import ArtifactError
 from .models import LoadedModel
@@ -63,14 +64,16 @@ class KVState:
         if not ids:
             raise ArtifactError("cannot run an empty token sequence", hint="pass text that tokenizes to tokens")
         if chunk is not None and chunk < 1:
-            raise ArtifactError(f"chunk size {chunk} is not a positive number of tokens", hint="pass chunk=None for one pass")
+            raise ArtifactError(f"chunk size {chunk} is not a positive number of tokens",
+                                hint="pass chunk=None for one pass")
         if self.end + len(ids) > self.model.spec.window:
             raise ArtifactError(
                 f"{self.end + len(ids)} positions exceed {self.model.spec.name}'s window of {self.model.spec.window}",
                 hint="use a shorter text",
             )
         if keep_last is not None and not 0 < keep_last <= len(ids):
-            raise ArtifactError(f"keep_last {keep_last} is not within the {len(ids)} tokens run", hint="pass 1..len(ids) or None")
+            raise ArtifactError(f"keep_last {keep_last} is not within the {len(ids)} tokens run",
+                                hint="pass 1..len(ids) or None")
         step = chunk or len(ids)
         first_kept = len(ids) - (keep_last or len(ids))
         parts = [self._forward(ids[i:i + step], max(0, first_kept - i)) for i in range(0, len(ids), step)]
@@ -124,7 +127,8 @@ class KVState:
                 keys = _joined([s.tensors[f"layers.{i}.keys"] for s in chain])  # [1, h, end, d]
                 values = _joined([s.tensors[f"layers.{i}.values"] for s in chain])
             if shift:
-                keys = rerotate(keys, *_rotation(model, i, shift))
+                # The graft kernels' torch reference: the one re-rotation (the Triton kernel equals it bit for bit).
+                keys = rerotate_reference(keys, *_rotation(model, i, shift))  # [1, h, held, d]
             layer.lazy_initialization(keys, values)
             layer.keys, layer.values = keys, values
             if isinstance(layer, DynamicSlidingWindowLayer):
@@ -151,7 +155,9 @@ def _check_chain(model: LoadedModel, chain: list[Segment]) -> None:
     cursor = 0
     for seg in chain:
         if seg.start != cursor:
-            raise ArtifactError(f"artifact covering [{seg.start}, {seg.end}) does not continue its parent, which ends at {cursor}")
+            raise ArtifactError(
+                f"artifact covering [{seg.start}, {seg.end}) does not continue its parent, which ends at {cursor}"
+            )
         if seg.end - seg.start != len(seg.token_ids):
             raise ArtifactError(f"artifact covering [{seg.start}, {seg.end}) lists {len(seg.token_ids)} token ids")
         expected = set()
@@ -161,12 +167,16 @@ def _check_chain(model: LoadedModel, chain: list[Segment]) -> None:
                 expected.add(f"layers.{i}.seen")
         if set(seg.tensors) != expected:
             extra, missing = sorted(set(seg.tensors) - expected)[:3], sorted(expected - set(seg.tensors))[:3]
-            raise ArtifactError(f"kv file does not fit a {n_layers}-layer {model.spec.name}: missing {missing}, unexpected {extra}")
+            raise ArtifactError(
+                f"kv file does not fit a {n_layers}-layer {model.spec.name}: missing {missing}, unexpected {extra}"
+            )
         for i, kind in enumerate(layer_kinds):
             if isinstance(kind, DynamicSlidingWindowLayer):
                 seen = seg.tensors[f"layers.{i}.seen"]
                 if seen.shape != (1,) or int(seen[0]) != seg.end:
-                    raise ArtifactError(f"layer {i} says it has seen {seen.tolist()} tokens; the artifact ends at {seg.end}")
+                    raise ArtifactError(
+                        f"layer {i} says it has seen {seen.tolist()} tokens; the artifact ends at {seg.end}"
+                    )
                 held = min(seg.end, kind.sliding_window - 1)
             else:
                 held = seg.end - seg.start
@@ -191,10 +201,3 @@ def _rotation(model: LoadedModel, layer: int, shift: int) -> tuple[torch.Tensor,
     else:
         cos, sin = rotary(x, pos)
     return cos[:, None], sin[:, None]  # [1, 1, d] -> [1, 1, 1, d], broadcast over heads and tokens
-
-
-def rerotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate post-RoPE keys ``[1, h, t, d]`` by a further angle (RoPE rotations compose)."""
-    half = keys.shape[-1] // 2
-    rotated_half = torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)  # [1, h, t, d]
-    return keys * cos + rotated_half * sin

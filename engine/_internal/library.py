@@ -30,28 +30,31 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from kvgraft.schemas import DeterminismProfile, DocumentError, Sha256Digest, canonical_json, parse_json, sha256_bytes
+from kvgraft.schemas import (
+    LIBRARY_ENTRIES_DIR,
+    LIBRARY_FILE,
+    LIBRARY_INDEX_FILE,
+    LIBRARY_PREFIX_DIR,
+    DeterminismProfile,
+    DocumentError,
+    Sha256Digest,
+    canonical_json,
+    parse_json,
+    sha256_bytes,
+)
 from kvgraft.verifier import Dataset, TrustedKeys, extract_answer, grade, write_atomic
 
 from .artifacts import LoadedArtifact, load_artifact
 from .errors import LibraryError, NoTrustedKeysError
-from .kvstate import KVState
 from .models import LoadedModel
-from .ops import capture
-from .profiles import applied
+from .ops import capture, continue_from
 from .trust import trust_signer
 
-LIBRARY_FILE = "library.json"
-INDEX_FILE = "index.jsonl"
-PREFIX_DIR = "prefix"
-ENTRIES_DIR = "entries"
 FORMAT = "kvgraft-library/v1"
 
 INSTRUCTION = (
@@ -265,25 +268,6 @@ class Answer:
         }
 
 
-def decode(
-    model: LoadedModel, state: KVState, logits: torch.Tensor, max_new_tokens: int, stop: Callable[[str], bool]
-) -> tuple[str, int]:
-    """Greedy decoding from ``logits`` (the last prompt position's) until ``stop(text)``, EOS, the
-    window, or ``max_new_tokens``; returns the text and the number of tokens decoded."""
-    new: list[int] = []
-    text = ""
-    for _ in range(max_new_tokens):
-        nxt = int(logits[-1].argmax())
-        if nxt == model.tokenizer.eos_token_id:
-            break
-        new.append(nxt)
-        text = model.tokenizer.decode(new)
-        if stop(text) or state.end + 1 > model.spec.window:
-            break
-        logits = state.extend([nxt])
-    return text, len(new)
-
-
 def stop_after_boxed(text: str) -> bool:
     """A solution is complete once its ``\\boxed{...}`` closes or the next problem begins."""
     return bool(re.search(r"\\boxed\{[^{}]*\}", text)) or "\nProblem:" in text
@@ -349,13 +333,13 @@ class Library:
         if directory.exists() and any(p.name != ".lock" for p in directory.iterdir()):
             raise LibraryError(f"{directory} exists and is not empty", hint="choose a new --library directory")
         directory.mkdir(parents=True, exist_ok=True)
-        prefix = capture(model, profile, INSTRUCTION, directory / PREFIX_DIR, key=key, passphrase=passphrase)
+        prefix = capture(model, profile, INSTRUCTION, directory / LIBRARY_PREFIX_DIR, key=key, passphrase=passphrase)
         meta = {
             "format": FORMAT, "model": model.spec.name, "profile": profile.name, "kind": kind,
             "instruction": INSTRUCTION, "prefix_artifact": prefix.kv_digest,
         }
         write_atomic(directory / LIBRARY_FILE, json.dumps(meta, indent=2).encode() + b"\n", 0o644)
-        (directory / INDEX_FILE).touch()
+        (directory / LIBRARY_INDEX_FILE).touch()
         if trusted is None and not insecure_skip_verify:
             trusted = trust_signer(key, passphrase, name="library creator")
         return cls(directory, model, profile, meta, [], trusted, insecure_skip_verify=insecure_skip_verify)
@@ -383,18 +367,18 @@ class Library:
     def prefix(self) -> LoadedArtifact:
         """The shared instruction prefix, loaded and checked once."""
         if self._prefix is None:
-            prefix = load_artifact(self.directory / PREFIX_DIR, self.model, self.profile, trusted=self.trusted,
+            prefix = load_artifact(self.directory / LIBRARY_PREFIX_DIR, self.model, self.profile, trusted=self.trusted,
                                    insecure_skip_verify=self.insecure_skip_verify)
             if prefix.kv_digest != self.meta["prefix_artifact"]:
                 raise LibraryError(
-                    f"{self.directory / PREFIX_DIR} holds {prefix.kv_digest}, "
+                    f"{self.directory / LIBRARY_PREFIX_DIR} holds {prefix.kv_digest}, "
                     f"but {LIBRARY_FILE} names {self.meta['prefix_artifact']}",
                     hint="the library was altered; deposit into a new one",
                 )
             signed = prefix.statement.predicate.source_text.text
             if prefix.parent is not None or signed != self.meta["instruction"]:
                 raise LibraryError(
-                    f"{self.directory / PREFIX_DIR}: its signed text is not the instruction {LIBRARY_FILE} names",
+                    f"{self.directory / LIBRARY_PREFIX_DIR}: its signed text is not the instruction {LIBRARY_FILE} names",
                     hint="the library was altered; deposit into a new one",
                 )
             self._prefix = prefix
@@ -424,11 +408,11 @@ class Library:
                 f"{_SOLUTION.strip()!r} on a new line or braces that end its answer box",
                 hint="skip this problem (--limit / a solutions file without it)",
             )
-        out = self.directory / ENTRIES_DIR / phash[:16]
+        out = self.directory / LIBRARY_ENTRIES_DIR / phash[:16]
         captured = capture(self.model, self.profile, text, out, key=key, parent=self.prefix(), passphrase=passphrase)
-        entry = Entry(phash, problem, answer, captured.kv_digest, f"{ENTRIES_DIR}/{phash[:16]}",
+        entry = Entry(phash, problem, answer, captured.kv_digest, f"{LIBRARY_ENTRIES_DIR}/{phash[:16]}",
                       len(captured.statement.predicate.tokens.ids), index, dataset.name)
-        with (self.directory / INDEX_FILE).open("ab") as f:
+        with (self.directory / LIBRARY_INDEX_FILE).open("ab") as f:
             f.write(canonical_json(entry.to_json()) + b"\n")
             f.flush()
             os.fsync(f.fileno())
@@ -454,8 +438,8 @@ class Library:
         prefix's child, and that its signed text states the problem (and answer) the index
         entry names, and, for an exact hit (``question`` given), the question asked."""
         where = f"library {self.directory}: index entry {entry.problem_hash[:16]}"
-        if entry.directory != f"{ENTRIES_DIR}/{entry.problem_hash[:16]}":
-            raise LibraryError(f"{where} points at {entry.directory!r}, not at {ENTRIES_DIR}/{entry.problem_hash[:16]}",
+        if entry.directory != f"{LIBRARY_ENTRIES_DIR}/{entry.problem_hash[:16]}":
+            raise LibraryError(f"{where} points at {entry.directory!r}, not at {LIBRARY_ENTRIES_DIR}/{entry.problem_hash[:16]}",
                                hint="the index was altered; re-deposit the problem into a new library")
         if problem_hash(entry.problem) != entry.problem_hash:
             raise LibraryError(f"{where}: its problem text does not hash to its problem_hash",
@@ -498,30 +482,28 @@ class Library:
         hit = self.lookup(question)
         if hit is not None and hit.method == "similar" and not use_similar:
             hit = None
-        with applied(self.profile):
-            if hit is None:
-                artifact = self.prefix()
-                suffix, budget, stop, head = question_text(question), max_new_tokens, stop_after_boxed, ""
-            elif hit.method == "exact":
-                artifact = self.load_entry(hit.entry, question)
-                suffix, budget, stop, head = RECALL_SUFFIX, min(RECALL_MAX_TOKENS, max_new_tokens), stop_at_brace, "\\boxed{"
-            else:
-                artifact = self.load_entry(hit.entry)
-                suffix, budget, stop, head = question_text(question), max_new_tokens, stop_after_boxed, ""
-            state = KVState.restore(self.model, artifact.segments())
-            ids = self.model.tokenizer.encode(suffix, first=False)
-            logits = state.extend(ids, keep_last=1)
-            text, decoded = decode(self.model, state, logits, budget, stop)
+        if hit is None:
+            artifact = self.prefix()
+            suffix, budget, stop, head = question_text(question), max_new_tokens, stop_after_boxed, ""
+        elif hit.method == "exact":
+            artifact = self.load_entry(hit.entry, question)
+            suffix, budget, stop, head = RECALL_SUFFIX, min(RECALL_MAX_TOKENS, max_new_tokens), stop_at_brace, "\\boxed{"
+        else:
+            artifact = self.load_entry(hit.entry)
+            suffix, budget, stop, head = question_text(question), max_new_tokens, stop_after_boxed, ""
+        ids = self.model.tokenizer.encode(suffix, first=False)
+        # EOS ends the answer and is not part of it (nor counted in decode_tokens).
+        decoded = continue_from(self.model, self.profile, artifact, ids, max_new_tokens=budget, keep_eos=False, stop=stop)
         # A recall's output is its answer box: the prompt's opening brace and the decoded tokens,
         # so that any answer (a number or a word) is extracted from it by the same rule.
-        text = head + text
+        text = head + decoded.text
         answer = extract_answer(self.meta["kind"], text)
-        joules, method = self._energy.stop(len(ids) + decoded)
+        joules, method = self._energy.stop(len(ids) + len(decoded.tokens))
         prompt = "".join(a.statement.predicate.source_text.text for a in artifact.chain) + suffix
         return Answer(
             question=question, answer=answer, text=text, prompt=prompt,
             entry=hit.entry.artifact if hit else None, method=hit.method if hit else "none", score=hit.score if hit else 0.0,
-            prompt_tokens=len(ids), decode_tokens=decoded, context_tokens=artifact.statement.predicate.positions.end + len(ids),
+            prompt_tokens=len(ids), decode_tokens=len(decoded.tokens), context_tokens=artifact.statement.predicate.positions.end + len(ids),
             seconds=time.perf_counter() - t0, energy_joules=joules, energy_method=method,
             signature=artifact.signature,
         )
@@ -551,7 +533,7 @@ def read_meta(directory: Path) -> dict[str, Any]:
 
 
 def _read_index(directory: Path) -> Iterator[Entry]:
-    path = directory / INDEX_FILE
+    path = directory / LIBRARY_INDEX_FILE
     with contextlib.ExitStack() as stack:
         try:
             f = stack.enter_context(path.open("rb"))

@@ -24,7 +24,8 @@ from typing import Literal
 
 import torch
 
-from kvgraft.schemas import ModelRef, Sha256Digest, canonical_json, sha256_bytes, sha256_file
+# kvgraft_home is re-exported from here for the engine's public surface; it is defined in schemas.
+from kvgraft.schemas import ModelRef, Sha256Digest, canonical_json, kvgraft_home, sha256_bytes, sha256_file
 
 from .errors import ModelFileError, ModelNotInstalledError, UnknownModelError
 from .tokenizers import ByteTokenizer, HfTokenizer, Tokenizer
@@ -88,11 +89,6 @@ def spec_for(name: str) -> ModelSpec:
         return MODELS[name]
     except KeyError as e:
         raise UnknownModelError(f"no model named {name!r}; known: {', '.join(MODELS)}") from e
-
-
-def kvgraft_home() -> Path:
-    """``$KVGRAFT_HOME``, default ``~/.cache/kvgraft``."""
-    return Path(os.environ.get("KVGRAFT_HOME") or Path.home() / ".cache" / "kvgraft")
 
 
 @dataclass

@@ -1,15 +1,22 @@
-"""The engine's operations: capture, graft, fresh and generate.
+"""The engine's operations: capture, graft, fresh, and decoding from a graft.
 
 ``fresh`` recomputes a prefix exactly as ``capture`` computes it (one forward pass over the
 prefix tokens), then runs the continuation exactly as ``graft`` runs it (one forward pass over
 the continuation on the cache), so own-position exactness means equal logits bytes.
+
+Every decode goes one way: ``continue_from`` restores an artifact's chain into a ``KVState``
+(or starts empty), runs the suffix through ``KVState.extend`` and hands the last position's
+logits to ``greedy_decode``, the one decode loop (``generate``, ``Library.ask`` and
+``run_eval`` all use it).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -98,7 +105,13 @@ def capture(
 
 
 def graft(
-    model: LoadedModel, profile: DeterminismProfile, artifact: LoadedArtifact, text: str, *, shift: int = 0, keep_last: int | None = None
+    model: LoadedModel,
+    profile: DeterminismProfile,
+    artifact: LoadedArtifact,
+    text: str,
+    *,
+    shift: int = 0,
+    keep_last: int | None = None,
 ) -> Continuation:
     """Restore ``artifact`` at its own positions (or ``shift`` away, approximately) and run ``text``.
 
@@ -124,25 +137,104 @@ def fresh(model: LoadedModel, profile: DeterminismProfile, prefix: str, text: st
         return Continuation(logits, len(state.token_ids) - len(ids), ids, time.perf_counter() - t0)
 
 
-def generate(model: LoadedModel, profile: DeterminismProfile, artifact: LoadedArtifact, text: str, max_new_tokens: int) -> dict[str, object]:
-    """Greedy decoding from a graft: run ``text`` on the artifact, then up to ``max_new_tokens``."""
+#: Why ``greedy_decode`` ended: the model's EOS, the caller's ``stop``, the model's window, or the budget.
+StopReason = Literal["eos", "stop", "window", "max_new_tokens"]
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """What ``greedy_decode`` produced: the tokens (EOS among them only when kept), their text
+    (``tokenizer.decode(tokens)``) and why decoding ended."""
+
+    tokens: list[int]
+    text: str
+    stopped_by: StopReason
+
+
+def greedy_decode(
+    state: KVState,
+    logits: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    keep_eos: bool,
+    stop: Callable[[str], bool] | None = None,
+) -> Decoded:
+    """Greedy decoding on ``state`` from ``logits`` (float32 ``[n, vocab]``; row ``-1`` is the
+    last position run). The one decode loop of the engine; call it under the profile's
+    ``applied`` (``continue_from`` does), as every forward pass runs.
+
+    Each step, in this order:
+
+    1. the next token is ``argmax`` of the last logits row (the lowest id on a tie);
+    2. the tokenizer's EOS ends decoding (``stopped_by="eos"``); it is among the returned tokens
+       only when ``keep_eos`` (``generate`` reports it; the library and evaluations count only
+       the text's tokens);
+    3. otherwise the token is kept; ``stop(text so far)`` true ends decoding (``"stop"``);
+    4. a token whose position would pass the model's window ends decoding (``"window"``): it is
+       returned but never run;
+    5. otherwise it runs (``state.extend([token])``) and its logits feed the next step.
+
+    At most ``max_new_tokens`` tokens (EOS included when kept), else ``"max_new_tokens"``.
+    """
+    model = state.model
+    eos = model.tokenizer.eos_token_id
+    tokens: list[int] = []
+    stopped_by: StopReason = "max_new_tokens"
+    for _ in range(max_new_tokens):
+        nxt = int(logits[-1].argmax())
+        if nxt == eos:
+            if keep_eos:
+                tokens.append(nxt)
+            stopped_by = "eos"
+            break
+        tokens.append(nxt)
+        if stop is not None and stop(model.tokenizer.decode(tokens)):
+            stopped_by = "stop"
+            break
+        if state.end + 1 > model.spec.window:
+            stopped_by = "window"
+            break
+        logits = state.extend([nxt])  # [1, vocab]
+    return Decoded(tokens, model.tokenizer.decode(tokens), stopped_by)
+
+
+def continue_from(
+    model: LoadedModel,
+    profile: DeterminismProfile,
+    artifact: LoadedArtifact | None,
+    suffix_ids: list[int],
+    *,
+    max_new_tokens: int,
+    keep_eos: bool,
+    stop: Callable[[str], bool] | None = None,
+    keep_last: int | None = 1,
+) -> Decoded:
+    """Restore ``artifact``'s chain at its own positions (``None``: an empty state), run
+    ``suffix_ids`` after it in one ``KVState.extend``, then ``greedy_decode`` (see there for
+    ``max_new_tokens``, ``keep_eos`` and ``stop``), all under ``profile``.
+
+    ``keep_last``: how many of the suffix's logits rows the lm head computes (``KVState.extend``);
+    decoding reads only the last, and ``None`` (every row) is what ``generate`` has always run.
+    """
     with applied(profile):
-        t0 = time.perf_counter()
-        state = KVState.restore(model, artifact.segments())
-        logits = state.extend(_tokens(model, text, first=False, what="text"))
-        new: list[int] = []
-        for _ in range(max_new_tokens):
-            nxt = int(logits[-1].argmax())
-            new.append(nxt)
-            if nxt == model.tokenizer.eos_token_id or state.end + 1 > model.spec.window:
-                break
-            logits = state.extend([nxt])
-        return {
-            "text": model.tokenizer.decode(new),
-            "tokens": new,
-            "decode_tokens": len(new),
-            "prefix_tokens": artifact.statement.predicate.positions.end,
-            "seconds": round(time.perf_counter() - t0, 6),
-        }
+        state = KVState(model) if artifact is None else KVState.restore(model, artifact.segments())
+        logits = state.extend(suffix_ids, keep_last=keep_last)  # [keep_last or len(suffix_ids), vocab]
+        return greedy_decode(state, logits, max_new_tokens=max_new_tokens, keep_eos=keep_eos, stop=stop)
 
 
+def generate(
+    model: LoadedModel, profile: DeterminismProfile, artifact: LoadedArtifact, text: str, max_new_tokens: int
+) -> dict[str, object]:
+    """Greedy decoding from a graft: run ``text`` on the artifact, then up to ``max_new_tokens``
+    (the EOS token, when reached, is the last of ``tokens`` and counted in ``decode_tokens``)."""
+    t0 = time.perf_counter()
+    ids = _tokens(model, text, first=False, what="text")
+    # Every row's logits, as generate has always computed them: its tokens stay what they were.
+    decoded = continue_from(model, profile, artifact, ids, max_new_tokens=max_new_tokens, keep_eos=True, keep_last=None)
+    return {
+        "text": decoded.text,
+        "tokens": decoded.tokens,
+        "decode_tokens": len(decoded.tokens),
+        "prefix_tokens": artifact.statement.predicate.positions.end,
+        "seconds": round(time.perf_counter() - t0, 6),
+    }

@@ -21,15 +21,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvgraft.schemas import TRUSTED_KEYS_FILE, kvgraft_home
 from kvgraft.verifier import TrustedKeys, load_public_key, load_trusted_keys, open_signing_key, trusted_key
 
 from .errors import NoTrustedKeysError, TrustOptionsError
-from .models import kvgraft_home
 
 #: Environment variable naming a trusted-keys file (used when no ``--trusted-keys`` is given).
 TRUSTED_KEYS_ENV = "KVGRAFT_TRUSTED_KEYS"
-#: A trusted-keys file under ``$KVGRAFT_HOME``, used when neither the option nor the variable is set.
-TRUSTED_KEYS_FILE = "trusted-keys.json"
+#: ``TRUSTED_KEYS_FILE`` (kvgraft.schemas) under ``$KVGRAFT_HOME`` is used when neither the option nor the
+#: variable is set.
 #: What a skipped check reports as the artifact's signature (``--json`` prints it).
 SKIPPED = "skipped (--insecure-skip-verify)"
 #: The stderr warning ``--insecure-skip-verify`` prints once per command.

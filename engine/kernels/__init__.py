@@ -8,6 +8,7 @@ from .paged import BLOCK_SIZE, gather_kv, gather_kv_reference, scatter_kv, scatt
 from .rope import rerotate, rerotate_reference
 
 __all__ = [
-    "BLOCK_SIZE", "Backend", "choose", "gather_kv", "gather_kv_reference", "interpreting", "rerotate", "rerotate_reference",
+    "BLOCK_SIZE", "Backend", "choose", "gather_kv", "gather_kv_reference", "interpreting", "rerotate",
+    "rerotate_reference",
     "scatter_kv", "scatter_kv_reference", "slot_mapping", "triton_available",
 ]

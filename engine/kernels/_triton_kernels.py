@@ -74,7 +74,9 @@ def _rerotate(
 @functools.cache
 def _build(interpret: bool) -> SimpleNamespace:
     # `interpret` keys the cache: triton.jit picks the interpreter when TRITON_INTERPRET=1.
-    return SimpleNamespace(scatter_kv=triton.jit(_scatter_kv), gather_kv=triton.jit(_gather_kv), rerotate=triton.jit(_rerotate))
+    return SimpleNamespace(
+        scatter_kv=triton.jit(_scatter_kv), gather_kv=triton.jit(_gather_kv), rerotate=triton.jit(_rerotate),
+    )
 
 
 def build() -> SimpleNamespace:

@@ -36,8 +36,12 @@ def choose(backend: Backend, *tensors: torch.Tensor) -> Literal["triton", "torch
         raise KernelError(f"the tensors are on different devices: {sorted(devices)}", hint="move them to one device")
     runnable = triton_available() and (devices == {"cuda"} or interpreting())
     if backend == "triton" and not runnable:
-        why = "triton is not installed" if not triton_available() else "the tensors are on the CPU and TRITON_INTERPRET is not 1"
-        raise KernelError(f"cannot run the Triton kernel: {why}", hint="pip install triton; on a CPU set TRITON_INTERPRET=1, or use backend='torch'")
+        why = (
+            "triton is not installed" if not triton_available()
+            else "the tensors are on the CPU and TRITON_INTERPRET is not 1"
+        )
+        raise KernelError(f"cannot run the Triton kernel: {why}",
+                          hint="pip install triton; on a CPU set TRITON_INTERPRET=1, or use backend='torch'")
     return "triton" if runnable else "torch"
 
 

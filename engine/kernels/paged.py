@@ -29,19 +29,25 @@ def slot_mapping(block_table: torch.Tensor, start: int, length: int, *, block_si
         raise KernelError(f"positions [{start}, {start + length}) are not a range", hint="start and length are >= 0")
     needed = -(-(start + length) // block_size)
     if needed > block_table.numel():
-        raise KernelError(f"positions up to {start + length} need {needed} blocks; the block table lists {block_table.numel()}",
+        raise KernelError(f"positions up to {start + length} need {needed} blocks; "
+                          f"the block table lists {block_table.numel()}",
                           hint="allocate more blocks to the sequence")
     pos = torch.arange(start, start + length, device=block_table.device)
     return block_table.to(torch.int64)[pos // block_size] * block_size + pos % block_size
 
 
-def _check(keys: torch.Tensor, values: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor) -> None:
+def _check(
+    keys: torch.Tensor, values: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
     if keys.dim() != 4 or keys.shape[0] != 1 or keys.shape != values.shape:
-        raise KernelError(f"artifact keys and values must both be [1, kv_heads, tokens, head_dim], got {tuple(keys.shape)} and {tuple(values.shape)}")
+        raise KernelError("artifact keys and values must both be [1, kv_heads, tokens, head_dim], "
+                          f"got {tuple(keys.shape)} and {tuple(values.shape)}")
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise KernelError(f"a paged cache is [num_blocks, block_size, kv_heads, head_dim] for keys and values, got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+        raise KernelError("a paged cache is [num_blocks, block_size, kv_heads, head_dim] for keys and values, "
+                          f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
     if key_cache.shape[2:] != keys.shape[1:2] + keys.shape[3:]:
-        raise KernelError(f"the cache holds {key_cache.shape[2]} heads of {key_cache.shape[3]}; the artifact {keys.shape[1]} of {keys.shape[3]}",
+        raise KernelError(f"the cache holds {key_cache.shape[2]} heads of {key_cache.shape[3]}; "
+                          f"the artifact {keys.shape[1]} of {keys.shape[3]}",
                           hint="use a cache made for this model")
     if keys.dtype != key_cache.dtype or values.dtype != value_cache.dtype:
         raise KernelError(f"dtype {keys.dtype} does not match the cache's {key_cache.dtype}")
@@ -54,7 +60,9 @@ def _check(keys: torch.Tensor, values: torch.Tensor, key_cache: torch.Tensor, va
         raise KernelError("the paged cache tensors must be contiguous")
 
 
-def scatter_kv_reference(keys: torch.Tensor, values: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor) -> None:
+def scatter_kv_reference(
+    keys: torch.Tensor, values: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
     """Write artifact keys/values ``[1, H, t, d]`` into cache slots ``slots`` (torch)."""
     _check(keys, values, key_cache, value_cache, slots)
     h, d = key_cache.shape[2], key_cache.shape[3]
@@ -62,7 +70,9 @@ def scatter_kv_reference(keys: torch.Tensor, values: torch.Tensor, key_cache: to
     value_cache.view(-1, h, d)[slots] = values[0].transpose(0, 1)
 
 
-def gather_kv_reference(key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv_reference(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Read cache slots ``slots`` back into artifact layout ``[1, H, t, d]`` (torch)."""
     h, d = key_cache.shape[2], key_cache.shape[3]
     keys = key_cache.view(-1, h, d)[slots].transpose(0, 1)[None].contiguous()  # [t, H, d] -> [1, H, t, d]
@@ -71,7 +81,13 @@ def gather_kv_reference(key_cache: torch.Tensor, value_cache: torch.Tensor, slot
 
 
 def scatter_kv(
-    keys: torch.Tensor, values: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor, *, backend: Backend = "auto",
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    backend: Backend = "auto",
 ) -> None:
     """Write artifact keys/values ``[1, H, t, d]`` into the paged cache at ``slots``, in place."""
     _check(keys, values, key_cache, value_cache, slots)
@@ -93,10 +109,14 @@ def scatter_kv(
     )
 
 
-def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor, *, backend: Backend = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor, *, backend: Backend = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Read the paged cache at ``slots`` back into artifact layout ``[1, H, t, d]``."""
-    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise KernelError(f"a paged cache is two contiguous [num_blocks, block_size, kv_heads, head_dim] tensors, got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+    contiguous = key_cache.is_contiguous() and value_cache.is_contiguous()
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape or not contiguous:
+        raise KernelError("a paged cache is two contiguous [num_blocks, block_size, kv_heads, head_dim] tensors, "
+                          f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
     if slots.dim() != 1:
         raise KernelError(f"slots must be 1-D, got {tuple(slots.shape)}")
     capacity = key_cache.shape[0] * key_cache.shape[1]

@@ -6,6 +6,9 @@ positions (per layer base for Gemma 3), ``[head_dim]`` or anything that broadcas
 result is approximate as a graft (it is not what recomputing at ``p + k`` gives), but kernel and
 reference agree bit for bit: both do ``k * cos + rotate_half(k) * sin`` with the same three
 roundings per element (no fused multiply-add).
+
+``rerotate_reference`` is the engine's one re-rotation: ``KVState.restore(..., shift=k)`` calls it
+on every layer's keys, so a shifted graft, the kernel and this reference compute one thing.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ from .backend import Backend, block_for, choose, kernels
 def _angles(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d = keys.shape[-1]
     if keys.dim() != 4 or d % 2:
-        raise KernelError(f"keys must be [batch, kv_heads, tokens, head_dim] with an even head_dim, got {tuple(keys.shape)}")
+        raise KernelError(
+            f"keys must be [batch, kv_heads, tokens, head_dim] with an even head_dim, got {tuple(keys.shape)}"
+        )
     if cos.numel() != d or sin.numel() != d:
-        raise KernelError(f"cos and sin must hold one angle per head dimension ({d}), got {cos.numel()} and {sin.numel()}",
+        raise KernelError(f"cos and sin must hold one angle per head dimension ({d}), "
+                          f"got {cos.numel()} and {sin.numel()}",
                           hint="a shift is one angle for every token")
     if cos.dtype != keys.dtype or sin.dtype != keys.dtype:
         raise KernelError(f"cos/sin dtype {cos.dtype} does not match the keys' {keys.dtype}")

@@ -34,6 +34,19 @@ from litestar.utils import normalize_path
 from pydantic import BaseModel
 
 import kvgraft
+from kvgraft.schemas import (
+    MAX_TREE_SIZE,
+    ArtifactDocument,
+    ArtifactPage,
+    BlobStored,
+    ConsistencyProof,
+    EntryDocument,
+    EntryPage,
+    InclusionProof,
+    LogKey,
+    PublisherList,
+    dump_wire,
+)
 
 from .accounts import TokenInfo
 from .blobs import BlobScrubber, parse_digest_ref
@@ -54,19 +67,6 @@ from .security import add_security_headers
 from .service import Page, Registry
 from .settings import RegistrySettings
 from .ui import static_router, ui_router
-from .wire import (
-    MAX_TREE_SIZE,
-    ArtifactDocument,
-    ArtifactPage,
-    BlobStored,
-    ConsistencyProof,
-    EntryDocument,
-    EntryPage,
-    InclusionProof,
-    LogKey,
-    PublisherList,
-    dump,
-)
 
 logger = logging.getLogger("kvgraft.registry")
 
@@ -805,7 +805,7 @@ def create_app(data_dir: Path, settings: RegistrySettings | None = None) -> Lite
         # caller's business (kvgraft serve does it), not the app's.
         logging_config=None,
         # Wire models serialise with only the keys the service set: the same bytes as its dicts.
-        type_encoders={BaseModel: dump},
+        type_encoders={BaseModel: dump_wire},
         openapi_config=registry_openapi_config(settings, version=kvgraft.__version__),
     )
     # Around the router, inside Litestar's send wrapper: its answers get the security headers too.

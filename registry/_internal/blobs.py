@@ -34,6 +34,8 @@ from typing import BinaryIO
 import anyio
 import anyio.to_thread
 
+from kvgraft.schemas import fsync_path
+
 from .errors import (
     BadDigestError,
     BlobDigestMismatchError,
@@ -73,14 +75,6 @@ def parse_digest_ref(value: str, *, what: str = "digest") -> str:
         shown = value if len(value) <= 80 else value[:77] + "..."
         raise BadDigestError(f"{what} {shown!r} is not sha256: followed by 64 lowercase hex digits")
     return m.group(1)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -225,8 +219,8 @@ class BlobStore:
                 target = self._quarantine / f"{hex_digest}.{stamp}-{n}"
                 n += 1
             os.rename(path, target)
-            _fsync_dir(self._quarantine)
-            _fsync_dir(self._dir)
+            fsync_path(self._quarantine)
+            fsync_path(self._dir)
         relative = f"{QUARANTINE_DIR}/{target.name}"
         logger.error(
             "blob sha256:%s is damaged (%s): moved to blobs/%s; it is no longer served", hex_digest, reason, relative
@@ -358,7 +352,7 @@ class BlobStore:
         # same (both were verified), so replacing is harmless.
         with self._rename_lock:
             os.replace(tmp, final)
-            _fsync_dir(self._dir)
+            fsync_path(self._dir)
 
     async def read(self, hex_digest: str, start: int, end: int) -> AsyncIterator[bytes]:
         """Stream bytes ``[start, end)`` of the blob in chunks of at most ``READ_CHUNK``."""

@@ -18,7 +18,6 @@ import json
 import os
 import re
 import stat
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,14 +218,6 @@ class SignedHead:
     checkpoint: bytes
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_signed_head(data: DataDir, head: SignedHead) -> None:
     """Replace ``signed-head.json`` atomically and durably: temp file, fsync, rename, fsync of the directory.
 
@@ -239,20 +230,8 @@ def write_signed_head(data: DataDir, head: SignedHead) -> None:
         "root_hash": head.root_hash.hex(),
         "checkpoint": head.checkpoint.decode("utf-8"),
     }
-    raw = (json.dumps(doc, indent=2) + "\n").encode("utf-8")
-    path = data.signed_head_path
-    fd, tmp = tempfile.mkstemp(dir=data.root, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(data.root)
+    # The one atomic writer; its temp files are the ``.signed-head.json.*.tmp`` removed below.
+    write_atomic(data.signed_head_path, (json.dumps(doc, indent=2) + "\n").encode("utf-8"), 0o600)
 
 
 def remove_stale_head_temps(data: DataDir) -> None:

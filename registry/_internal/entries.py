@@ -14,6 +14,7 @@ from kvgraft.schemas import (
     EVALUATION_PREDICATE,
     EXACTNESS_PREDICATE,
     KV_ARTIFACT_PREDICATE,
+    KV_FILE,
     PRE_REGISTRATION_PREDICATE,
     REPLAY_PREDICATE,
     STATEMENT_MODELS,
@@ -50,9 +51,6 @@ from .errors import (
     TooManySignaturesError,
 )
 from .settings import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_SIGNATURES
-
-#: The tensors file of a KV artifact (the engine's KV_FILE; the registry does not import the engine).
-KV_FILE = "kv.safetensors"
 
 #: predicateType -> the short kind the API filters and reports by.
 KINDS: dict[str, str] = {

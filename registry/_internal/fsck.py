@@ -31,13 +31,12 @@ from typing import Any
 import duckdb
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from kvgraft.schemas import KV_ARTIFACT_PREDICATE, DocumentError, parse_json
+from kvgraft.schemas import KV_ARTIFACT_PREDICATE, DocumentError, parse_json, payload_unverified
 from kvgraft.verifier import (
     KeyFileError,
     LogProofError,
     MalformedInputError,
     MerkleTree,
-    b64decode_any,
     keyid_of,
     load_private_key,
     load_public_key,
@@ -268,8 +267,7 @@ def _check_entries(
 def _statement_blobs(envelope: bytes) -> tuple[set[tuple[str, str]], list[str]]:
     """The (name, ``sha256:<hex>``) subjects of the envelope's statement, and the bare hex of every
     blob the registry required at publish (the subjects, and a KV artifact's parent tensors)."""
-    doc = parse_json(envelope, what="stored envelope")
-    statement = parse_json(b64decode_any(doc["payload"], what="stored payload"), what="stored statement")
+    statement = parse_json(payload_unverified(envelope, what="stored envelope"), what="stored statement")
     subjects = {(str(s["name"]), "sha256:" + str(s["digest"]["sha256"])) for s in statement["subject"]}
     required = [d.removeprefix("sha256:") for _, d in sorted(subjects, key=lambda s: s[0])]
     if statement.get("predicateType") == KV_ARTIFACT_PREDICATE:

@@ -1,8 +1,8 @@
 """The registry's OpenAPI document (``/schema/openapi.json``): Litestar's, completed.
 
 Litestar derives the paths, operations and response models from the handlers' signatures and
-return types (the wire models of ``wire.py``). What a signature cannot say is added here, once
-per document, from the same settings the server enforces:
+return types (the wire models, exported by ``kvgraft.schemas``). What a signature cannot say is
+added here, once per document, from the same settings the server enforces:
 
 - component schemas straight from the pydantic wire models (Litestar's conversion drops string
   patterns and writes 2^63-1 as a float), plus ``Problem`` and the DSSE envelope;
@@ -30,7 +30,23 @@ from litestar.openapi.plugins import JsonRenderPlugin
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from . import wire
+from kvgraft.schemas import (
+    DIGEST_PATTERN,
+    MAX_TREE_SIZE,
+    ArtifactDocument,
+    ArtifactPage,
+    BlobStored,
+    ConsistencyProof,
+    DsseEnvelope,
+    EntryDocument,
+    EntryPage,
+    InclusionProof,
+    LogKey,
+    PostedEnvelope,
+    Problem,
+    PublisherList,
+)
+
 from .entries import KINDS, RECORD_KINDS
 from .settings import RegistrySettings
 
@@ -40,8 +56,8 @@ _PROBLEM_REF = {"$ref": "#/components/schemas/Problem"}
 
 #: Every model whose schema is a component.
 _MODELS: tuple[type[BaseModel], ...] = (
-    wire.Problem, wire.BlobStored, wire.InclusionProof, wire.ConsistencyProof, wire.LogKey, wire.EntryDocument,
-    wire.EntryPage, wire.ArtifactDocument, wire.ArtifactPage, wire.PublisherList, wire.DsseEnvelope, wire.PostedEnvelope,
+    Problem, BlobStored, InclusionProof, ConsistencyProof, LogKey, EntryDocument,
+    EntryPage, ArtifactDocument, ArtifactPage, PublisherList, DsseEnvelope, PostedEnvelope,
 )
 
 _STATUS_TEXT = {
@@ -65,8 +81,8 @@ _COMMON = (400, 404, 405, 431, 500, 503)
 _AUTH = (401, 403, 429)
 _WRITE = (*_AUTH, 413, 507)
 
-_INT64 = {"type": "integer", "minimum": 0, "maximum": wire.MAX_TREE_SIZE}
-_DIGEST = {"type": "string", "pattern": wire.DIGEST_PATTERN}
+_INT64 = {"type": "integer", "minimum": 0, "maximum": MAX_TREE_SIZE}
+_DIGEST = {"type": "string", "pattern": DIGEST_PATTERN}
 
 
 def _component_schemas() -> dict[str, Any]:

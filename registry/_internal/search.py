@@ -86,7 +86,8 @@ def search_condition(
     """A SQL condition on ``column`` (an entry's log index) keeping the entries whose text holds
     every word of ``q``, with its parameters; None when ``q`` asks for no search.
 
-    The API (``GET /v1/artifacts?q=``) and the browser (``/artifacts?q=``) both filter with this.
+    The API (``GET /v1/artifacts?q=``) and the browser (``/artifacts?q=``) both filter with this,
+    through ``queries.ArtifactFilter``.
     """
     terms = query_terms(q, max_terms=max_terms, max_length=max_length)
     if terms is None:

@@ -1,5 +1,9 @@
 """The registry service: database, transparency log, blob store and accounts behind one lock.
 
+This module holds the write path (publish, append, the signed head) and builds the API's
+documents; its read methods read through the model the pages share too, ``queries.py`` (only
+the start-up checks of the log read their tables directly).
+
 Every method is blocking and thread-safe; the app calls them from worker threads. Publishing
 verifies the envelope's signatures first, without the database lock (that is the costly
 part, and a stranger's envelope must not stall other requests), then holds the lock from a
@@ -28,17 +32,16 @@ from typing import Any
 
 import duckdb
 
-from kvgraft.schemas import DocumentError, parse_json
+from kvgraft.schemas import DocumentError, parse_json, payload_unverified
 from kvgraft.verifier import (
     LogProofError,
     MalformedInputError,
-    b64decode_any,
     keyid_of,
     open_signing_key,
     public_key_pem,
 )
 
-from . import search
+from . import queries, search
 from .accounts import Accounts, TokenInfo
 from .blobs import BlobStore, parse_digest_ref
 from .datadir import (
@@ -55,12 +58,10 @@ from .datadir import (
 )
 from .db import Database, now_utc
 from .entries import (
-    RECORD_KINDS,
     ArtifactFields,
     IndexedStatement,
     decode_envelope,
     index_statement,
-    kind_of_filter,
     verify_for_token,
 )
 from .errors import (
@@ -81,17 +82,12 @@ from .errors import (
     storage_error,
 )
 from .log import LogHead, TransparencyLog, format_vkey, hash_leaf, verify_checkpoint
+from .queries import ArtifactFilter, EntryRow, Listing, RecordFilter, Seek
 from .ratelimit import RateLimiter
 from .settings import RegistrySettings
 
 logger = logging.getLogger("kvgraft.registry")
 
-_ENTRY_COLUMNS = (
-    "log_index, digest, leaf_hash, payload_type, predicate_type, kind, publisher, keyids, integrated_at, "
-    "octet_length(envelope), artifact_digest, model_name, model_weights_digest, model_config_digest, profile_name, "
-    "parent, chain_key, position_start, position_end, source_text, source_text_digest"
-)
-_MAX_CHILDREN = 1_000
 #: A log index in a path: ASCII digits only (str.isdigit() also takes '³' and '٣'), at most 19 (BIGINT).
 _INDEX_REF = re.compile(r"[0-9]{1,19}", re.ASCII)
 #: The meta key recording that this database has written signed-head.json at least once.
@@ -207,17 +203,13 @@ class Registry:
         if tree_size is None:
             return head.note
         # Checked before the query: DuckDB refuses integers past 128 bits with an error of its own.
-        row = (
-            self.db.query_one("SELECT note FROM checkpoints WHERE tree_size = ?", [tree_size])
-            if 0 <= tree_size <= head.size
-            else None
-        )
-        if row is None:
+        note = queries.checkpoint_note(self.db, tree_size) if 0 <= tree_size <= head.size else None
+        if note is None:
             raise NotFoundError(
                 f"no checkpoint was signed at tree size {tree_size} (the log has {head.size} entries)",
                 hint="ask for a size between 0 and the latest checkpoint's",
             )
-        return bytes(row[0])
+        return note
 
     def log_key(self) -> dict[str, Any]:
         """The registry's public key and origin."""
@@ -290,9 +282,9 @@ class Registry:
                 raise KeyNotBoundError(
                     f"key {unbound[0][:16]}... signed the envelope, but this token is no longer bound to it"
                 )
-            existing = self.db.query_one("SELECT log_index FROM entries WHERE digest = ?", [digest])
+            existing = queries.index_of(self.db, digest)
             if existing is not None:
-                return Published(self._entry_document(int(existing[0])), created=False)
+                return Published(self._entry_document(existing), created=False)
             missing = self.blobs.missing(indexed.required_blobs)
             if missing:
                 shown = ", ".join("sha256:" + h for h in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -311,49 +303,45 @@ class Registry:
     def _check_lineage(self, artifact: ArtifactFields) -> None:
         """Refuse a child that does not join its parent: no parent entry, a gap, a cycle, too deep.
 
-        The parent is described by its first entry (as every lineage view describes it). The
-        walk up from the parent is bounded by ``max_lineage_depth`` and keeps a visited set,
+        The parent is described by its first entry (as every lineage view describes it); the
+        walk up from it is ``queries.ancestors``, bounded by ``max_lineage_depth`` and cycle-safe,
         so even a cycle in old data ends it.
         """
         if artifact.parent is None:
             return
         limit = self.settings.max_lineage_depth
-        parent_row = self._first_artifact_row(artifact.parent)
-        if parent_row is None:
+        parent = queries.first_artifact_entry(self.db, artifact.parent)
+        if parent is None or parent.artifact is None:
             raise InvalidLineageError(
                 f"the artifact's parent {artifact.parent} has no entry in this log",
                 hint="publish the parent artifact's statement first, then its children",
             )
-        parent_end = int(parent_row[18])
+        parent_end = parent.artifact.position_end
         if artifact.position_start != parent_end:
             raise InvalidLineageError(
                 f"the artifact starts at position {artifact.position_start}, but its parent {artifact.parent} "
                 f"ends at position {parent_end}: a child must start where its parent ends"
             )
-        depth, seen, current = 1, {artifact.digest}, parent_row
-        while current is not None:
-            if current[10] in seen:
-                raise InvalidLineageError(
-                    f"the artifact's parent chain reaches {current[10]} twice: publishing it would make a lineage cycle"
-                )
-            seen.add(current[10])
-            if depth > limit:
-                raise InvalidLineageError(
-                    f"the artifact's parent chain is more than {limit} artifacts deep",
-                    hint=f"start a new root artifact; lineages here are at most {limit} deep (max_lineage_depth)",
-                    extra={"limit": limit},
-                )
-            depth += 1
-            current = None if current[15] is None else self._first_artifact_row(current[15])
+        walk = queries.ancestors(self.db, artifact.digest, artifact.parent, limit)
+        if walk.cut == "cycle":
+            raise InvalidLineageError(
+                f"the artifact's parent chain reaches {walk.cut_at} twice: publishing it would make a lineage cycle"
+            )
+        if walk.cut == "depth":
+            raise InvalidLineageError(
+                f"the artifact's parent chain is more than {limit} artifacts deep",
+                hint=f"start a new root artifact; lineages here are at most {limit} deep (max_lineage_depth)",
+                extra={"limit": limit},
+            )
 
     def _check_pre_registration(self, digest: str, log_index: int) -> None:
-        row = self.db.query_one("SELECT log_index, kind FROM entries WHERE digest = ?", [digest])
-        if row is None:
+        found = queries.entry_by_digest(self.db, digest)
+        if found is None:
             raise MissingReferenceError(f"the replay answers to pre-registration {digest}, which is not in this log")
-        if int(row[0]) != log_index or row[1] != "pre-registration":
+        if found.log_index != log_index or found.kind != "pre-registration":
             raise InvalidStatementError(
                 f"the replay says its pre-registration {digest} is entry {log_index}, but that digest is "
-                f"entry {row[0]} ({row[1]})",
+                f"entry {found.log_index} ({found.kind})",
                 hint="point the replay at the pre-registration's real log index",
             )
 
@@ -409,28 +397,9 @@ class Registry:
 
     # --- reading entries -------------------------------------------------------------------
 
-    def _entry_rows(self, where: str, params: list[Any], limit: int | None = None) -> list[tuple[Any, ...]]:
-        sql = f"SELECT {_ENTRY_COLUMNS} FROM entries WHERE {where} ORDER BY log_index"
-        if limit is not None:
-            sql += f" LIMIT {int(limit)}"
-        return self.db.query(sql, params)
-
-    def _subjects(self, indices: list[int]) -> dict[int, list[dict[str, str]]]:
-        if not indices:
-            return {}
-        placeholders = ", ".join("?" for _ in indices)
-        rows = self.db.query(
-            f"SELECT log_index, name, digest FROM entry_subjects WHERE log_index IN ({placeholders}) ORDER BY log_index, name",
-            indices,
-        )
-        out: dict[int, list[dict[str, str]]] = {}
-        for i, name, d in rows:
-            out.setdefault(int(i), []).append({"name": name, "digest": d})
-        return out
-
-    def _render(self, rows: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
-        subjects = self._subjects([int(r[0]) for r in rows])
-        return [_entry_meta(r, subjects.get(int(r[0]), [])) for r in rows]
+    def _render(self, rows: list[EntryRow]) -> list[dict[str, Any]]:
+        subjects = queries.subjects(self.db, [r.log_index for r in rows])
+        return [_entry_meta(r, [s._asdict() for s in subjects.get(r.log_index, [])]) for r in rows]
 
     def resolve_entry(self, ref: str) -> int:
         """The log index named by ``ref``: a decimal index or ``sha256:<hex>`` of the envelope."""
@@ -443,10 +412,10 @@ class Registry:
                 return index
             if ref.startswith("sha256:"):
                 parse_digest_ref(ref, what="entry digest")
-                row = self.db.query_one("SELECT log_index FROM entries WHERE digest = ?", [ref])
-                if row is None:
+                found = queries.index_of(self.db, ref)
+                if found is None:
                     raise EntryNotFoundError(f"no entry has digest {ref}")
-                return int(row[0])
+                return found
         raise BadRequestError(
             f"{ref[:80]!r} names no entry",
             hint="use a log index (ASCII digits: 0, 1, ...) or the envelope's digest sha256:<64 lowercase hex>",
@@ -454,12 +423,12 @@ class Registry:
 
     def _entry_document(self, index: int) -> dict[str, Any]:
         with self.db.lock:
-            rows = self._entry_rows("log_index = ?", [index])
-            if not rows:
+            row = queries.entry_at(self.db, index)
+            if row is None:
                 raise EntryNotFoundError(f"there is no entry {index}")
             head = self._head
             return {
-                "entry": self._render(rows)[0],
+                "entry": self._render([row])[0],
                 "inclusion_proof": self.log.inclusion(index, head.size),
                 "checkpoint": head.note.decode("utf-8"),
             }
@@ -473,22 +442,17 @@ class Registry:
         """The exact stored envelope bytes of an entry, and its digest."""
         with self.db.lock:
             index = self.resolve_entry(ref)
-            row = self.db.query_one("SELECT envelope, digest FROM entries WHERE log_index = ?", [index])
-        if row is None:
+            stored = queries.stored_envelope(self.db, index)
+        if stored is None:
             raise EntryNotFoundError(f"there is no entry {index}")
-        return bytes(row[0]), str(row[1])
+        return stored.envelope, stored.digest
 
     def list_entries(self, cursor: str | None, limit: int) -> Page:
         """Entries in log order (for mirrors and auditors)."""
-        after = decode_cursor(cursor)
+        seek = Seek(limit, after=decode_cursor(cursor))
         with self.db.lock:
-            rows = self._entry_rows("log_index > ?", [after], limit + 1)
-            return self._page(self._render(rows[:limit]), rows, limit)
-
-    @staticmethod
-    def _page(items: list[dict[str, Any]], rows: list[tuple[Any, ...]], limit: int) -> Page:
-        more = len(rows) > limit
-        return Page(items, encode_cursor(int(rows[limit - 1][0])) if more else None)
+            listing = queries.entries(self.db, queries.ALL, seek)
+            return _page(self._render(listing.rows), listing)
 
     # --- artifacts and records -------------------------------------------------------------
 
@@ -503,74 +467,46 @@ class Registry:
         cursor: str | None = None,
         limit: int,
     ) -> Page:
-        """Artifact entries in log order, filtered; ``parent="none"`` lists roots."""
-        after = decode_cursor(cursor)
-        where = ["kind = 'artifact'", "log_index > ?"]
-        params: list[Any] = [after]
-        for column, value in (("model_name", model), ("profile_name", profile), ("publisher", publisher)):
-            if value:
-                where.append(f"{column} = ?")
-                params.append(value)
-        if parent:
-            if parent == "none":
-                where.append("parent IS NULL")
-            else:
-                parse_digest_ref(parent, what="parent")
-                where.append("parent = ?")
-                params.append(parent)
-        # Bounded before the lock: a refused query never reaches the database.
-        s = self.settings
-        found = search.search_condition(q, max_terms=s.max_search_terms, max_length=s.max_query_length)
-        if found is not None:
-            where.append(found[0])
-            params.extend(found[1])
+        """Artifact entries in log order, filtered (``queries.ArtifactFilter``); ``parent="none"`` lists roots."""
+        seek = Seek(limit, after=decode_cursor(cursor))
+        # Checked and bounded before the lock: a refused query never reaches the database.
+        where = ArtifactFilter(model=model, profile=profile, parent=parent, publisher=publisher, q=q).where(self.settings)
         with self.db.lock:
-            rows = self._entry_rows(" AND ".join(where), params, limit + 1)
-            return self._page([_artifact_summary(r) for r in rows[:limit]], rows, limit)
+            listing = queries.entries(self.db, where, seek)
+        return _page([_artifact_summary(r) for r in listing.rows], listing)
 
     def artifact(self, digest: str) -> dict[str, Any]:
         """An artifact by its tensors digest: statement, envelope, entry, lineage, proof, checkpoint."""
         with self.db.lock:
-            rows = self._entry_rows("artifact_digest = ?", [digest])
+            rows = queries.artifact_entries(self.db, digest)
             if not rows:
                 raise ArtifactNotFoundError(f"no KV artifact with tensors {digest} is in this registry")
             first = rows[0]
-            index = int(first[0])
-            envelope_bytes = bytes(self.db.query_one("SELECT envelope FROM entries WHERE log_index = ?", [index])[0])
+            stored = queries.stored_envelope(self.db, first.log_index)
+            envelope_bytes = b"" if stored is None else stored.envelope
             head = self._head
             document = {
                 "artifact": _artifact_summary(first, full_text=True),
                 "entry": self._render([first])[0],
-                "other_entries": [{"log_index": int(r[0]), "digest": r[1], "publisher": r[6]} for r in rows[1:]],
+                "other_entries": [{"log_index": r.log_index, "digest": r.digest, "publisher": r.publisher} for r in rows[1:]],
                 "statement": _statement_json(envelope_bytes),
                 "envelope": parse_json(envelope_bytes, what="stored envelope"),
                 "lineage": self._lineage(first),
-                "inclusion_proof": self.log.inclusion(index, head.size),
+                "inclusion_proof": self.log.inclusion(first.log_index, head.size),
                 "checkpoint": head.note.decode("utf-8"),
             }
         return document
 
-    def _first_artifact_row(self, digest: str) -> tuple[Any, ...] | None:
-        rows = self._entry_rows("artifact_digest = ?", [digest], 1)
-        return rows[0] if rows else None
-
-    def _lineage(self, row: tuple[Any, ...]) -> dict[str, Any]:
-        parents: list[dict[str, Any]] = []
-        seen = {row[10]}
-        current = row[15]
-        while current is not None and len(parents) < self.settings.max_lineage_depth:
-            if current in seen:
-                logger.error("artifact lineage of %s has a cycle at %s", row[10], current)
-                break
-            seen.add(current)
-            parent_row = self._first_artifact_row(current)
-            if parent_row is None:
-                # Its tensors are stored (checked at publish) but no entry describes them.
-                parents.append({"digest": current, "log_index": None})
-                break
-            parents.append(_artifact_summary(parent_row))
-            current = parent_row[15]
-        children = self._entry_rows("kind = 'artifact' AND parent = ?", [row[10]], _MAX_CHILDREN)
+    def _lineage(self, row: EntryRow) -> dict[str, Any]:
+        assert row.artifact is not None
+        walk = queries.ancestors(self.db, row.artifact.digest, row.artifact.parent, self.settings.max_lineage_depth)
+        if walk.cut == "cycle":
+            logger.error("artifact lineage of %s has a cycle at %s", row.artifact.digest, walk.cut_at)
+        parents = [
+            {"digest": a.digest, "log_index": None} if a.entry is None else _artifact_summary(a.entry)
+            for a in walk.ancestors
+        ]
+        children = queries.children(self.db, row.artifact.digest)
         return {"parents": parents, "children": [_artifact_summary(r) for r in children]}
 
     def list_records(
@@ -583,25 +519,13 @@ class Registry:
         limit: int,
     ) -> Page:
         """Record entries (exactness, evaluation, pre-registration, replay) in log order, filtered."""
-        after = decode_cursor(cursor)
-        where = ["kind IN (" + ", ".join(f"'{k}'" for k in RECORD_KINDS) + ")", "log_index > ?"]
-        params: list[Any] = [after]
-        if kind:
-            resolved = kind_of_filter(kind)
-            if resolved == "artifact":
-                raise BadRequestError("artifacts are not records", hint="list artifacts with GET /v1/artifacts")
-            where.append("kind = ?")
-            params.append(resolved)
-        if publisher:
-            where.append("publisher = ?")
-            params.append(publisher)
-        if artifact:
-            parse_digest_ref(artifact, what="artifact")
-            where.append("log_index IN (SELECT log_index FROM entry_refs WHERE ref = ?)")
-            params.append(artifact)
+        seek = Seek(limit, after=decode_cursor(cursor))
+        where = RecordFilter(kind=kind, publisher=publisher, artifact=artifact).where(
+            artifacts_hint="list artifacts with GET /v1/artifacts"
+        )
         with self.db.lock:
-            rows = self._entry_rows(" AND ".join(where), params, limit + 1)
-            return self._page(self._render(rows[:limit]), rows, limit)
+            listing = queries.entries(self.db, where, seek)
+            return _page(self._render(listing.rows), listing)
 
     def publishers(self) -> list[dict[str, Any]]:
         """Publishers and their keys."""
@@ -635,7 +559,8 @@ def _stored_head(db: Database, log: TransparencyLog) -> LogHead | None:
         if log.size:
             raise LogIntegrityError(f"the log has {log.size} entries but no checkpoint")
         return None
-    size, root, note = int(row[0]), bytes(row[1]), bytes(row[2])
+    stored_size, stored_root, stored_note = row
+    size, root, note = int(stored_size), bytes(stored_root), bytes(stored_note)
     if size != log.size or root != log.root():
         raise LogIntegrityError(
             f"the latest checkpoint is at size {size} with root {root.hex()}, but the stored entries make "
@@ -722,8 +647,8 @@ def _advance_signed_head(
 
 def _statement_json(envelope_bytes: bytes) -> Any:
     try:
-        doc = parse_json(envelope_bytes, what="stored envelope")
-        return parse_json(b64decode_any(doc["payload"], what="stored payload"), what="stored statement")
+        # Verified when it was stored; decoded here for the listing's fields only.
+        return parse_json(payload_unverified(envelope_bytes, what="stored envelope"), what="stored statement")
     except (DocumentError, MalformedInputError, KeyError, TypeError) as e:
         raise RegistryError(f"a stored envelope cannot be decoded: {e}") from e
 
@@ -734,51 +659,57 @@ def _text_preview(text: str | None) -> str | None:
     return text[: _TEXT_PREVIEW - 1] + "\u2026"
 
 
-def _artifact_block(r: tuple[Any, ...], *, full_text: bool = False) -> dict[str, Any] | None:
-    if r[10] is None:
+def _artifact_block(r: EntryRow, *, full_text: bool = False) -> dict[str, Any] | None:
+    a = r.artifact
+    if a is None:
         return None
-    block = {
-        "digest": r[10],
-        "model": {"name": r[11], "weights_digest": r[12], "config_digest": r[13]},
-        "profile": r[14],
-        "parent": r[15],
-        "chain_key": r[16],
-        "positions": [int(r[17]), int(r[18])],
-        "tokens": int(r[18]) - int(r[17]),
-        "text_digest": r[20],
+    block: dict[str, Any] = {
+        "digest": a.digest,
+        "model": {"name": a.model_name, "weights_digest": a.model_weights_digest, "config_digest": a.model_config_digest},
+        "profile": a.profile_name,
+        "parent": a.parent,
+        "chain_key": a.chain_key,
+        "positions": [a.position_start, a.position_end],
+        "tokens": a.position_end - a.position_start,
+        "text_digest": a.source_text_digest,
     }
     if full_text:
-        block["text"] = r[19]
+        block["text"] = a.source_text
     else:
-        block["text_preview"] = _text_preview(r[19])
+        block["text_preview"] = _text_preview(a.source_text)
     return block
 
 
-def _entry_meta(r: tuple[Any, ...], subjects: list[dict[str, str]]) -> dict[str, Any]:
+def _entry_meta(r: EntryRow, subjects: list[dict[str, str]]) -> dict[str, Any]:
     return {
-        "log_index": int(r[0]),
-        "digest": r[1],
-        "leaf_hash": bytes(r[2]).hex(),
-        "payload_type": r[3],
-        "predicate_type": r[4],
-        "kind": r[5],
-        "publisher": r[6],
-        "keyids": list(r[7]),
-        "integrated_at": r[8],
-        "size": int(r[9]),
+        "log_index": r.log_index,
+        "digest": r.digest,
+        "leaf_hash": r.leaf_hash.hex(),
+        "payload_type": r.payload_type,
+        "predicate_type": r.predicate_type,
+        "kind": r.kind,
+        "publisher": r.publisher,
+        "keyids": list(r.keyids),
+        "integrated_at": r.integrated_at,
+        "size": r.size,
         "subjects": subjects,
-        "envelope_url": f"/v1/entries/{r[1]}/envelope",
+        "envelope_url": f"/v1/entries/{r.digest}/envelope",
         "artifact": _artifact_block(r),
     }
 
 
-def _artifact_summary(r: tuple[Any, ...], *, full_text: bool = False) -> dict[str, Any]:
+def _artifact_summary(r: EntryRow, *, full_text: bool = False) -> dict[str, Any]:
     block = _artifact_block(r, full_text=full_text) or {}
     return {
         **block,
-        "log_index": int(r[0]),
-        "entry_digest": r[1],
-        "publisher": r[6],
-        "keyids": list(r[7]),
-        "integrated_at": r[8],
+        "log_index": r.log_index,
+        "entry_digest": r.digest,
+        "publisher": r.publisher,
+        "keyids": list(r.keyids),
+        "integrated_at": r.integrated_at,
     }
+
+
+def _page(items: list[dict[str, Any]], listing: Listing[EntryRow]) -> Page:
+    """A page of documents, with the cursor after its last entry when more follow."""
+    return Page(items, encode_cursor(listing.rows[-1].log_index) if listing.more else None)

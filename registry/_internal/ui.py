@@ -1,19 +1,16 @@
 """The provenance browser: HTML pages under ``/`` rendered from ``kvgraft.web`` templates.
 
-Handlers read through the registry service (its queries and locks) plus the few read-only
-queries the pages need that the API does not have (newest-first listings, counts, facets),
-all here. Signatures are re-verified by this server with ``kvgraft.verifier`` against the
-publisher's registered keys: a page never repeats the registry's earlier judgement unchecked.
-Verification runs outside the database lock and its outcome is remembered per envelope
-digest, publisher and set of registered key ids (entries are immutable; a new key changes
-the cache key), in a bounded LRU of ``settings.verify_cache_entries``; an envelope with more
-than ``settings.max_signatures`` signatures is reported unverified without being checked.
-Lineage walks stop at ``settings.max_lineage_depth`` ancestors or at a cycle, and say so.
-Pages work without JavaScript; every value from an entry reaches the browser escaped, with
-control, bidi and zero-width characters shown as escapes (``kvgraft.web.visible``). The
-commands a page shows are built word by word (``kvgraft.web.shell_word``) against the
-registry's configured public URL, else its bind address, else ``$REGISTRY``: never the
-request's ``Host`` header.
+This module holds the view contexts and their handlers only. Every read goes through the
+registry's read model (``queries.py``: the same rows, filters and lineage walk as the API),
+under ``registry.db.lock`` for as long as the rows take, no longer. Signatures are re-verified
+by this server after that lock is released (``signatures.py``: against the publisher's
+registered keys, cached per envelope digest and key set): a page never repeats the registry's
+earlier judgement unchecked. Lineage walks stop at ``settings.max_lineage_depth`` ancestors or
+at a cycle, and say so. Pages work without JavaScript; every value from an entry reaches the
+browser escaped, with control, bidi and zero-width characters shown as escapes
+(``kvgraft.web.visible``). The commands a page shows are built word by word
+(``kvgraft.web.shell_word``) against the registry's configured public URL, else its bind
+address, else ``$REGISTRY``: never the request's ``Host`` header.
 """
 
 from __future__ import annotations
@@ -24,13 +21,8 @@ import functools
 import hashlib
 import json
 import logging
-import math
 import re
-import threading
-import weakref
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote, urlencode
@@ -52,43 +44,39 @@ from kvgraft.schemas import (
     PreRegistrationStatement,
     ReplayStatement,
     Statement,
-    parse_json,
-    parse_statement,
+    statement_unverified,
 )
 from kvgraft.verifier import (
     LOGITS_DIR,
     RECORD_FILE,
     Dataset,
-    TrustedKey,
     TrustedKeys,
     VerificationError,
-    b64decode_any,
     harness_hashes,
     load_dataset,
-    parse_envelope,
-    parse_public_key,
-    trusted_key,
-    verify_envelope,
 )
 from kvgraft.web import (
     REGISTRY_VARIABLE,
     STATIC_DIR,
-    LineageNode,
     PlotSeries,
     command,
     kl_plot_svg,
-    lineage_svg,
+    lineage_view,
+    mean_figure,
+    record_summary,
     render_page,
+    same_figure,
     shell_word,
-    short_digest,
     url_word,
 )
 
+from . import queries
 from .blobs import parse_digest_ref
-from .entries import RECORD_KINDS, kind_of_filter
+from .entries import RECORD_KINDS
 from .errors import ArtifactNotFoundError, BadRequestError, EntryNotFoundError, NotFoundError, RegistryError
-from .search import search_condition
+from .queries import ArtifactFilter, EntryRow, EntrySummary, Listing, RecordFilter, Seek, SubjectRow
 from .service import Registry
+from .signatures import publisher_key_rows, verified_status
 
 logger = logging.getLogger("kvgraft.registry")
 
@@ -96,11 +84,7 @@ T = TypeVar("T")
 
 PAGE_SIZE = 50
 RECENT = 12
-#: Ancestors drawn before the chain is shortened to "root, n more, ..., parent".
-_DRAWN_ANCESTORS = 3
-_DRAWN_CHILDREN = 6
 _PREVIEW = 160
-_MAX_CHILDREN = 1_000
 #: The datasets shipped with kvgraft: an evaluation over one of them shows its questions.
 DATASETS_DIR = Path(__file__).resolve().parents[2] / "data" / "datasets"
 
@@ -196,10 +180,6 @@ def _without_paths(text: str) -> str:
     return _ABSOLUTE_PATH.sub("<path>", text)
 
 
-def _query(registry: Registry, sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
-    return registry.db.query(sql, params or [])
-
-
 def _url(path: str, **params: Any) -> str:
     kept = {k: v for k, v in params.items() if v not in (None, "")}
     return path + ("?" + urlencode(kept) if kept else "")
@@ -214,158 +194,9 @@ def _before(before: int | None) -> int:
     return min(before, 2**62)
 
 
-# --- signatures --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SignatureStatus:
-    """The outcome of re-verifying a stored envelope against its publisher's registered keys."""
-
-    publisher: str
-    verified: bool
-    signers: list[dict[str, str]]
-    claimed_keyids: list[str]
-    message: str
-    hint: str = ""
-    registered_keyids: list[str] = field(default_factory=list)
-
-
-#: A publisher's registered keys as read under the lock: (key id, PEM) pairs, sorted by key id.
-KeyRows = tuple[tuple[str, str], ...]
-
-
-def publisher_key_rows(registry: Registry, publisher: str) -> KeyRows:
-    """The registered keys of ``publisher`` (one short query; take ``registry.db.lock`` around it or not)."""
-    rows = _query(
-        registry, "SELECT keyid, public_key_pem FROM publisher_keys WHERE publisher = ? ORDER BY keyid", [publisher]
-    )
-    return tuple((str(k), str(pem)) for k, pem in rows)
-
-
-class VerifyCache:
-    """Signature outcomes by (envelope digest, publisher, registered key ids): a bounded, thread-safe LRU.
-
-    Safe to keep because a stored envelope never changes (its digest names its bytes) and the
-    outcome depends on nothing else but the publisher's key set, which is part of the key.
-    """
-
-    def __init__(self, entries: int) -> None:
-        self.entries = entries
-        self._items: OrderedDict[tuple[str, str, tuple[str, ...]], SignatureStatus] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple[str, str, tuple[str, ...]]) -> SignatureStatus | None:
-        with self._lock:
-            found = self._items.get(key)
-            if found is not None:
-                self._items.move_to_end(key)
-            return found
-
-    def put(self, key: tuple[str, str, tuple[str, ...]], status: SignatureStatus) -> None:
-        with self._lock:
-            self._items[key] = status
-            self._items.move_to_end(key)
-            while len(self._items) > self.entries:
-                self._items.popitem(last=False)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._items)
-
-
-_CACHES: weakref.WeakKeyDictionary[Registry, VerifyCache] = weakref.WeakKeyDictionary()
-_CACHES_LOCK = threading.Lock()
-
-
-def verify_cache(registry: Registry) -> VerifyCache:
-    """The signature cache of ``registry`` (one per open registry, sized by its settings)."""
-    with _CACHES_LOCK:
-        cache = _CACHES.get(registry)
-        if cache is None:
-            cache = _CACHES[registry] = VerifyCache(registry.settings.verify_cache_entries)
-        return cache
-
-
-def signature_status(registry: Registry, envelope_bytes: bytes, publisher: str) -> SignatureStatus:
-    """Verify ``envelope_bytes`` with the keys registered for ``publisher``; say who signed or why not.
-
-    Reads the keys in one short query, then verifies without holding the database lock.
-    """
-    with registry.db.lock:
-        rows = publisher_key_rows(registry, publisher)
-    return verified_status(registry, envelope_bytes, publisher, rows)
-
-
-def verified_status(registry: Registry, envelope_bytes: bytes, publisher: str, key_rows: KeyRows) -> SignatureStatus:
-    """The outcome for ``envelope_bytes`` and ``key_rows``, from the cache or computed now.
-
-    Call it outside ``registry.db.lock``: a miss parses and verifies the envelope.
-    """
-    key = (hashlib.sha256(envelope_bytes).hexdigest(), publisher, tuple(k for k, _ in key_rows))
-    cache = verify_cache(registry)
-    found = cache.get(key)
-    if found is None:
-        found = _verify_now(envelope_bytes, publisher, key_rows, registry.settings.max_signatures)
-        cache.put(key, found)
-    return found
-
-
-def _count_signatures(envelope_bytes: bytes) -> int | None:
-    # The number of entries in the envelope's "signatures" list, before any model is built.
-    try:
-        doc = parse_json(envelope_bytes, what="the stored envelope")
-    except (DocumentError, RecursionError):
-        return None
-    signatures = doc.get("signatures") if isinstance(doc, dict) else None
-    return len(signatures) if isinstance(signatures, list) else None
-
-
-def _verify_now(envelope_bytes: bytes, publisher: str, key_rows: KeyRows, max_signatures: int) -> SignatureStatus:
-    registered = [k for k, _ in key_rows]
-    count = _count_signatures(envelope_bytes)
-    if count is not None and count > max_signatures:
-        return SignatureStatus(
-            publisher, False, [], [],
-            f"not verified: too many signatures ({count}; this registry checks at most {max_signatures} per envelope)",
-            "an envelope kvgraft signs carries one signature; treat this entry as unsigned", registered,
-        )
-    try:
-        envelope = parse_envelope(envelope_bytes, source="the stored envelope")
-    except VerificationError as e:
-        return SignatureStatus(publisher, False, [], [], e.message, e.hint, registered)
-    except RecursionError:
-        message = "the stored envelope is nested too deeply to read"
-        return SignatureStatus(publisher, False, [], [], message, "", registered)
-    claimed = [sig.keyid for sig in envelope.signatures if sig.keyid]
-    keys: list[TrustedKey] = []
-    for keyid, pem in key_rows:
-        try:
-            public = parse_public_key(pem.encode("ascii"), source=f"key {keyid}")
-            keys.append(trusted_key(f"{publisher}/{keyid[:16]}", public))
-        except (VerificationError, UnicodeEncodeError):
-            logger.warning("registered key %s of %r cannot be read; left out of verification", keyid, publisher)
-    if not keys:
-        return SignatureStatus(
-            publisher, False, [], claimed, f"publisher {publisher!r} has no registered key to verify with",
-            "the operator can list keys with 'kvgraft key list'", registered,
-        )
-    try:
-        verified = verify_envelope(envelope, TrustedKeys(tuple(keys)), threshold=1)
-    except VerificationError as e:
-        return SignatureStatus(publisher, False, [], claimed, e.message, e.hint, registered)
-    signers = [{"name": publisher, "keyid": k.keyid} for k in verified.signers]
-    names = ", ".join(short_digest(k.keyid, 16) for k in verified.signers)
-    message = (
-        f"Ed25519 signature over the DSSE payload verified by this server with {publisher}'s registered key {names}"
-    )
-    return SignatureStatus(publisher, True, signers, claimed, message, "", registered)
-
-
 def _statement(envelope_bytes: bytes) -> Statement:
     try:
-        doc = parse_json(envelope_bytes, what="stored envelope")
-        payload = b64decode_any(doc["payload"], what="stored payload")
-        return parse_statement(payload, what="stored statement")
+        return statement_unverified(envelope_bytes, what="stored envelope")
     except (DocumentError, VerificationError, KeyError, TypeError) as e:
         raise RegistryError(f"a stored envelope cannot be decoded: {e}") from e
 
@@ -453,60 +284,47 @@ def _downloads(entry: dict[str, Any], tree_size: int) -> list[tuple[str, str]]:
 # --- overview ----------------------------------------------------------------------------------
 
 
-def _entry_rows(registry: Registry, where: str, params: list[Any], limit: int) -> list[dict[str, Any]]:
-    rows = _query(
-        registry,
-        "SELECT log_index, digest, kind, publisher, integrated_at, artifact_digest, model_name, profile_name, parent, "
-        f"position_start, position_end, left(source_text, {_PREVIEW + 1}), predicate_type, "
-        # A record's envelope comes along for its one-line summary; artifacts are described by columns.
-        "CASE WHEN kind = 'artifact' THEN NULL ELSE envelope END "
-        f"FROM entries WHERE {where} ORDER BY log_index DESC LIMIT {int(limit)}",
-        params,
-    )
+def _listed(listing: Listing[EntrySummary], envelopes: dict[int, bytes]) -> list[dict[str, Any]]:
+    """A listing's rows as the templates show them; a record (its envelope in ``envelopes``) gets its one-line summary."""
     out = []
-    for r in rows:
-        text = r[11]
+    for r in listing.rows:
+        text = r.text
         if text is not None and len(text) > _PREVIEW:
             text = text[:_PREVIEW] + "\u2026"
-        out.append(
-            {
-                "log_index": int(r[0]), "digest": r[1], "kind": r[2], "publisher": r[3], "integrated_at": r[4],
-                "artifact_digest": r[5], "model": r[6], "profile": r[7], "parent": r[8],
-                "positions": None if r[9] is None else (int(r[9]), int(r[10])), "text": text, "predicate_type": r[12],
-            }
-        )
-        if r[13] is not None:
-            out[-1]["summary"] = _record_summary(r[2], _payload_json(bytes(r[13])))
+        start, end = r.position_start, r.position_end
+        item: dict[str, Any] = {
+            "log_index": r.log_index, "digest": r.digest, "kind": r.kind, "publisher": r.publisher,
+            "integrated_at": r.integrated_at, "artifact_digest": r.artifact_digest, "model": r.model_name,
+            "profile": r.profile_name, "parent": r.parent, "positions": None if start is None or end is None else (start, end),
+            "text": text, "predicate_type": r.predicate_type,
+        }
+        if r.log_index in envelopes:
+            item["summary"] = record_summary(r.kind, _payload_json(envelopes[r.log_index]))
+        out.append(item)
     return out
+
+
+def _listing(registry: Registry, where: queries.Where, seek: Seek) -> tuple[Listing[EntrySummary], dict[int, bytes]]:
+    """A browser listing's page and its records' envelopes (artifacts are described by columns); under the lock."""
+    listing = queries.summaries(registry.db, where, seek, text_chars=_PREVIEW + 1)
+    return listing, queries.envelopes(registry.db, [r.log_index for r in listing.rows if r.kind != "artifact"])
 
 
 def overview_context(registry: Registry) -> dict[str, Any]:
     """Counts, the latest checkpoint and the most recent entries."""
     with registry.db.lock:
-        counts: dict[str, int] = {}
-        publishers = keys = 0
-        for kind, n in _query(
-            registry,
-            "SELECT kind, count(*) FROM entries GROUP BY kind UNION ALL "
-            "SELECT '.publishers', count(*) FROM publishers UNION ALL SELECT '.keys', count(*) FROM publisher_keys",
-        ):
-            if kind == ".publishers":
-                publishers = int(n)
-            elif kind == ".keys":
-                keys = int(n)
-            else:
-                counts[kind] = int(n)
-        recent = _entry_rows(registry, "TRUE", [], RECENT)
+        totals = queries.totals(registry.db)
+        recent, envelopes = _listing(registry, queries.ALL, Seek(RECENT, before=_before(None)))
         head = registry.head
-    records = sum(int(counts.get(k, 0)) for k in RECORD_KINDS)
+    counts = totals.kinds
     return {
-        "counts": {k: int(v) for k, v in counts.items()},
-        "artifacts": int(counts.get("artifact", 0)),
-        "records": records,
-        "publishers": int(publishers),
-        "keys": int(keys),
+        "counts": dict(counts),
+        "artifacts": counts.get("artifact", 0),
+        "records": sum(counts.get(k, 0) for k in RECORD_KINDS),
+        "publishers": totals.publishers,
+        "keys": totals.keys,
         "head": {"size": head.size, "root_hash": head.root_hash.hex(), "note": head.note.decode("utf-8")},
-        "recent": recent,
+        "recent": _listed(recent, envelopes),
         "record_kinds": RECORD_KINDS,
     }
 
@@ -530,46 +348,22 @@ def artifacts_context(
     parent: str | None,
     before: int | None,
 ) -> dict[str, Any]:
-    """One page of artifacts, newest first, filtered as ``GET /v1/artifacts`` filters."""
-    where = ["kind = 'artifact'"]
-    params: list[Any] = []
-    for column, value in (("model_name", model), ("profile_name", profile), ("publisher", publisher)):
-        if value:
-            where.append(f"{column} = ?")
-            params.append(value)
-    if parent:
-        if parent == "none":
-            where.append("parent IS NULL")
-        else:
-            parse_digest_ref(parent, what="parent")
-            where.append("parent = ?")
-            params.append(parent)
-    # The API's search, bounded the same way (refused before the database lock is taken).
-    settings = registry.settings
-    found = search_condition(q, max_terms=settings.max_search_terms, max_length=settings.max_query_length)
-    if found is not None:
-        where.append(found[0])
-        params.extend(found[1])
-    condition = " AND ".join(where)
+    """One page of artifacts, newest first, filtered as ``GET /v1/artifacts`` filters (``queries.ArtifactFilter``)."""
+    # Checked and bounded before the database lock is taken, as the API's.
+    where = ArtifactFilter(model=model, profile=profile, parent=parent, publisher=publisher, q=q).where(registry.settings)
     with registry.db.lock:
-        total = int(_query(registry, f"SELECT count(*) FROM entries WHERE {condition}", params)[0][0])
-        rows = _entry_rows(registry, condition + " AND log_index < ?", [*params, _before(before)], PAGE_SIZE + 1)
-        lists = _query(
-            registry,
-            "SELECT list(DISTINCT model_name ORDER BY model_name), list(DISTINCT profile_name ORDER BY profile_name), "
-            "list(DISTINCT publisher ORDER BY publisher) FROM entries WHERE kind = 'artifact'",
-        )[0]
-        facets = {name: list(values or []) for name, values in zip(("models", "profiles", "publishers"), lists, strict=True)}
+        total = queries.count(registry.db, where)
+        listing, envelopes = _listing(registry, where, Seek(PAGE_SIZE, before=_before(before)))
+        facets = queries.artifact_facets(registry.db)
     filters = {"q": q, "model": model, "profile": profile, "publisher": publisher, "parent": parent}
-    more = len(rows) > PAGE_SIZE
-    rows = rows[:PAGE_SIZE]
+    rows = _listed(listing, envelopes)
     return {
         "items": rows,
         "total": total,
         "filters": filters,
-        "facets": facets,
+        "facets": facets._asdict(),
         "search_q": q or "",
-        "next_url": _url("/artifacts", **filters, before=rows[-1]["log_index"]) if more else None,
+        "next_url": _url("/artifacts", **filters, before=rows[-1]["log_index"]) if listing.more else None,
         "first_url": _url("/artifacts", **filters) if before is not None else None,
     }
 
@@ -591,123 +385,37 @@ async def artifacts(
     return _html(request, "artifacts.html", **context)
 
 
-def _node(item: dict[str, Any], role: str) -> LineageNode:
-    if item.get("log_index") is None:
-        return LineageNode(short_digest(item["digest"], 10), "no entry in this log", None, "missing")
-    start, end = item["positions"]
-    return LineageNode(short_digest(item["digest"], 10), f"entry {item['log_index']} \u00b7 pos {start}\u2013{end}",
-                       f"/artifacts/{item['digest']}", role)
+def _ancestors(registry: Registry, digest: str, parent: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    """The lineage walk (``queries.ancestors``) as the page lists it, and why it stopped early (under the lock)."""
+    walk = queries.ancestors(registry.db, digest, parent, registry.settings.max_lineage_depth)
+    parents = []
+    for a in walk.ancestors:
+        known = a.entry.artifact if a.entry is not None else None
+        parents.append({
+            "digest": a.digest,
+            "log_index": None if a.entry is None else a.entry.log_index,
+            "positions": None if known is None else (known.position_start, known.position_end),
+        })
+    return parents, walk.cut
 
 
-def _cut_note(cut: str | None, limit: int | None, shown: int) -> str | None:
-    if cut == "cycle":
-        return (f"The parent chain loops back on itself after {shown} ancestor{'' if shown == 1 else 's'}: "
-                "an artifact is its own ancestor, so this lineage can never reach a root.")
-    if cut == "depth":
-        return (f"The parent chain goes on past the {limit} nearest ancestors; this registry walks no further "
-                "(its max_lineage_depth setting).")
-    return None
-
-
-def _lineage(
-    artifact: dict[str, Any],
-    parents: list[dict[str, Any]],
-    children: list[dict[str, Any]],
-    *,
-    cut: str | None = None,
-    limit: int | None = None,
-) -> dict[str, Any]:
-    """The lineage drawing and lists; ``cut`` (from ``ancestors``) marks a walk stopped early."""
-    chain_items = list(reversed(parents))  # root first (or the farthest ancestor walked)
-    chain: list[LineageNode] = []
-    if cut is not None:
-        marker = "\u2026 cycle" if cut == "cycle" else "\u2026 more"
-        chain.append(LineageNode(marker, "walk stopped here", None, "more"))
-    if len(chain_items) > _DRAWN_ANCESTORS:
-        # The root, a marker for those in between, and the nearest parents.
-        hidden = len(chain_items) - _DRAWN_ANCESTORS
-        chain.append(_node(chain_items[0], "ancestor"))
-        chain.append(LineageNode(f"\u2026 {hidden} more", "ancestors", None, "more"))
-        chain += [_node(p, "ancestor") for p in chain_items[-(_DRAWN_ANCESTORS - 1):]]
-    else:
-        chain += [_node(p, "ancestor") for p in chain_items]
-    start, end = artifact["positions"]
-    current = LineageNode(short_digest(artifact["digest"], 10), f"this \u00b7 pos {start}\u2013{end}", None, "current")
-    drawn_children = [_node(c, "child") for c in children[:_DRAWN_CHILDREN]]
-    if len(children) > _DRAWN_CHILDREN:
-        drawn_children.append(
-            LineageNode(f"+ {len(children) - _DRAWN_CHILDREN} more", "children", f"/artifacts?parent={artifact['digest']}", "more")
-        )
+def _entry_dict(row: EntryRow, subjects: list[SubjectRow]) -> dict[str, Any]:
+    # Shaped like the API's entry metadata (the fields the pages use).
+    a = row.artifact
     return {
-        "svg": lineage_svg(chain, current, drawn_children),
-        "parents": parents,
-        "children": children,
-        "cut": cut,
-        "cut_note": _cut_note(cut, limit, len(parents)),
+        "log_index": row.log_index, "digest": row.digest, "leaf_hash": row.leaf_hash.hex(), "kind": row.kind,
+        "publisher": row.publisher, "keyids": list(row.keyids), "integrated_at": row.integrated_at, "size": row.size,
+        "predicate_type": row.predicate_type, "subjects": [s._asdict() for s in subjects],
+        "envelope_url": f"/v1/entries/{quote(row.digest, safe=':')}/envelope",
+        "artifact": None if a is None else {"digest": a.digest, "positions": (a.position_start, a.position_end)},
     }
 
 
-# Ancestors in one recursive query (nearest first), each artifact described by its first entry,
-# as the registry's own lineage does. The walk stops one step past the depth limit (so that a
-# cut is known) and at the first digest seen twice (a cycle, possible in old data).
-_ANCESTORS_SQL = """
-WITH RECURSIVE firsts AS (
-    SELECT artifact_digest, min(log_index) AS log_index, arg_min(parent, log_index) AS parent,
-           arg_min(position_start, log_index) AS position_start, arg_min(position_end, log_index) AS position_end
-    FROM entries WHERE kind = 'artifact' GROUP BY artifact_digest
-), chain(digest, depth, seen, repeated) AS (
-    SELECT CAST(? AS VARCHAR), 0, [CAST(? AS VARCHAR)], false
-    UNION ALL
-    SELECT f.parent, c.depth + 1, list_append(c.seen, f.parent), list_contains(c.seen, f.parent)
-    FROM chain c JOIN firsts f ON f.artifact_digest = c.digest
-    WHERE f.parent IS NOT NULL AND NOT c.repeated AND c.depth <= ?
-)
-SELECT c.digest, f.log_index, f.position_start, f.position_end, c.repeated
-FROM chain c LEFT JOIN firsts f ON f.artifact_digest = c.digest WHERE c.depth > 0 ORDER BY c.depth
-"""
-
-
-def ancestors(registry: Registry, digest: str, limit: int) -> tuple[list[dict[str, Any]], str | None]:
-    """At most ``limit`` ancestors of ``digest``, nearest first, and why the walk stopped early.
-
-    The reason is ``None`` (the root was reached, or a parent has no entry here), ``"depth"``
-    (the chain goes on past ``limit``) or ``"cycle"`` (a parent repeats an artifact of the
-    chain; the repeated one is not listed). Run it under ``registry.db.lock``.
-    """
-    rows = _query(registry, _ANCESTORS_SQL, [digest, digest, int(limit)])
-    out: list[dict[str, Any]] = []
-    for d, i, a, b, repeated in rows:
-        if repeated:
-            return out, "cycle"
-        if len(out) == limit:
-            return out, "depth"
-        positions = None if i is None else (int(a), int(b))
-        out.append({"digest": d, "log_index": None if i is None else int(i), "positions": positions})
-    return out, None
-
-
-_RECORD_KINDS_SQL = "(" + ", ".join(f"'{k}'" for k in RECORD_KINDS) + ")"
-
-
-def _entry_dict(r: tuple[Any, ...], subjects: list[dict[str, str]]) -> dict[str, Any]:
-    # Columns of _ENTRY_SQL, shaped like the API's entry metadata (the fields the pages use).
-    return {
-        "log_index": int(r[0]), "digest": r[1], "leaf_hash": bytes(r[2]).hex(), "kind": r[3], "publisher": r[4],
-        "keyids": list(r[5]), "integrated_at": r[6], "size": int(r[7]), "predicate_type": r[8], "subjects": subjects,
-        "envelope_url": f"/v1/entries/{quote(r[1], safe=':')}/envelope",
-        "artifact": None if r[9] is None else {"digest": r[9], "positions": (int(r[10]), int(r[11]))},
-    }
-
-
-_ENTRY_SQL = (
-    "SELECT log_index, digest, leaf_hash, kind, publisher, keyids, integrated_at, octet_length(envelope), predicate_type, "
-    "artifact_digest, position_start, position_end, envelope FROM entries"
-)
-
-
-def _subjects_of(registry: Registry, index: int) -> list[dict[str, str]]:
-    rows = _query(registry, "SELECT name, digest FROM entry_subjects WHERE log_index = ? ORDER BY name", [index])
-    return [{"name": n, "digest": d} for n, d in rows]
+def _entry_page_rows(registry: Registry, row: EntryRow) -> tuple[dict[str, Any], bytes]:
+    """An entry page's entry (with its subjects) and its envelope bytes as logged (under the lock)."""
+    subjects = queries.subjects(registry.db, [row.log_index]).get(row.log_index, [])
+    stored = queries.stored_envelope(registry.db, row.log_index)
+    return _entry_dict(row, subjects), b"" if stored is None else stored.envelope
 
 
 def artifact_context(registry: Registry, digest: str, base: str | None) -> dict[str, Any]:
@@ -719,31 +427,23 @@ def artifact_context(registry: Registry, digest: str, base: str | None) -> dict[
     statement no longer reads as a KV artifact statement (old data).
     """
     parse_digest_ref(digest, what="artifact digest")
+    refers = RecordFilter(artifact=digest).where(artifacts_hint="")
     with registry.db.lock:
-        rows = _query(registry, _ENTRY_SQL + " WHERE artifact_digest = ? AND kind = 'artifact' ORDER BY log_index", [digest])
-        if not rows:
+        rows = queries.artifact_entries(registry.db, digest)
+        first = rows[0] if rows else None
+        if first is None or first.artifact is None:
             raise ArtifactNotFoundError(f"no KV artifact with tensors {digest} is in this registry")
-        first = rows[0]
-        entry = _entry_dict(first, _subjects_of(registry, int(first[0])))
-        envelope_bytes = bytes(first[12])
-        parents, cut = ancestors(registry, digest, registry.settings.max_lineage_depth)
+        entry, envelope_bytes = _entry_page_rows(registry, first)
+        parents, cut = _ancestors(registry, digest, first.artifact.parent)
         children = [
-            {"digest": d, "log_index": int(i), "publisher": p, "positions": (int(a), int(b))}
-            for i, d, p, a, b in _query(
-                registry,
-                "SELECT log_index, artifact_digest, publisher, position_start, position_end FROM entries "
-                f"WHERE kind = 'artifact' AND parent = ? ORDER BY log_index LIMIT {_MAX_CHILDREN}",
-                [digest],
-            )
+            {"digest": c.artifact.digest, "log_index": c.log_index, "publisher": c.publisher,
+             "positions": (c.artifact.position_start, c.artifact.position_end)}
+            for c in queries.children(registry.db, digest) if c.artifact is not None
         ]
         records = [
-            {"log_index": int(i), "digest": d, "kind": k, "publisher": p, "integrated_at": t}
-            for i, d, k, p, t in _query(
-                registry,
-                f"SELECT log_index, digest, kind, publisher, integrated_at FROM entries WHERE kind IN {_RECORD_KINDS_SQL} "
-                f"AND log_index IN (SELECT log_index FROM entry_refs WHERE ref = ?) ORDER BY log_index LIMIT {PAGE_SIZE}",
-                [digest],
-            )
+            {"log_index": r.log_index, "digest": r.digest, "kind": r.kind, "publisher": r.publisher,
+             "integrated_at": r.integrated_at}
+            for r in queries.entries(registry.db, refers, Seek(PAGE_SIZE)).rows
         ]
         proof = _proof_context(registry, entry)
         key_rows = publisher_key_rows(registry, entry["publisher"])
@@ -784,10 +484,10 @@ def artifact_context(registry: Registry, digest: str, base: str | None) -> dict[
         **common,
         "template": "artifact.html",
         "artifact": artifact,
-        "other_entries": [{"log_index": int(r[0]), "digest": r[1], "publisher": r[4]} for r in rows[1:]],
+        "other_entries": [{"log_index": r.log_index, "digest": r.digest, "publisher": r.publisher} for r in rows[1:]],
         "statement": statement,
         "p": p,
-        "lineage": _lineage(artifact, parents, children, cut=cut, limit=registry.settings.max_lineage_depth),
+        "lineage": lineage_view(artifact, parents, children, cut=cut, limit=registry.settings.max_lineage_depth),
         "records": records,
         "pull_command": command(
             "kvgraft", "pull", "--registry", _registry_word(base), shell_word(digest), "--out", shell_word(directory),
@@ -831,69 +531,24 @@ async def artifact(request: Request[Any, Any, Any], digest: FromPath[str]) -> Re
 # --- records -----------------------------------------------------------------------------------
 
 
-def _record_summary(kind: str, payload: dict[str, Any]) -> str:
-    p = payload.get("predicate") or {}
-    try:
-        if kind == "exactness":
-            s = p["summary"]
-            level = p.get("level", "")
-            shift = f" shift {p['shift']}" if p.get("shift") else ""
-            return f"{p['model']['name']} {level}{shift}: {s['bitwise_equal']}/{s['samples']} bit-equal, max KL {s['max_kl_divergence']:.3g}"
-        if kind == "evaluation":
-            a = p["aggregates"]
-            return f"{p['model']['name']} on {p['dataset']['name']}: {a['correct']}/{a['items']} correct"
-        if kind == "pre-registration":
-            return f"{p['model']['name']} on {p['dataset']['name']}: {len(p['expected_output_hashes'])} expected outputs"
-        if kind == "replay":
-            ref = p["pre_registration"]
-            return f"answers entry {ref['log_index']}: {'reproduced' if p['reproduced'] else 'NOT reproduced'}"
-    except (KeyError, TypeError, ValueError, ArithmeticError):
-        # ArithmeticError: a number no float holds (an int beyond 1.8e308) in a format.
-        return "(summary unreadable; open the record)"
-    return ""
-
-
 def records_context(registry: Registry, *, kind: str | None, publisher: str | None, artifact: str | None, before: int | None) -> dict[str, Any]:
-    """One page of records, newest first."""
-    where = ["kind IN (" + ", ".join(f"'{k}'" for k in RECORD_KINDS) + ")"]
-    params: list[Any] = []
-    resolved = None
-    if kind:
-        resolved = kind_of_filter(kind)
-        if resolved == "artifact":
-            raise BadRequestError("artifacts are not records", hint="browse artifacts at /artifacts")
-        where.append("kind = ?")
-        params.append(resolved)
-    if publisher:
-        where.append("publisher = ?")
-        params.append(publisher)
-    if artifact:
-        parse_digest_ref(artifact, what="artifact")
-        where.append("log_index IN (SELECT log_index FROM entry_refs WHERE ref = ?)")
-        params.append(artifact)
-    condition = " AND ".join(where)
+    """One page of records, newest first, filtered as ``GET /v1/records`` filters (``queries.RecordFilter``)."""
+    chosen = RecordFilter(kind=kind, publisher=publisher, artifact=artifact)
+    hint = "browse artifacts at /artifacts"
+    where = chosen.where(artifacts_hint=hint)
     with registry.db.lock:
-        total = int(_query(registry, f"SELECT count(*) FROM entries WHERE {condition}", params)[0][0])
-        rows = _query(
-            registry,
-            f"SELECT log_index, digest, kind, publisher, integrated_at, envelope FROM entries WHERE {condition} "
-            f"AND log_index < ? ORDER BY log_index DESC LIMIT {PAGE_SIZE + 1}",
-            [*params, _before(before)],
-        )
-        publishers = [r[0] for r in _query(registry, "SELECT name FROM publishers ORDER BY name")]
-    items = [
-        {"log_index": int(r[0]), "digest": r[1], "kind": r[2], "publisher": r[3], "integrated_at": r[4],
-         "summary": _record_summary(r[2], _payload_json(bytes(r[5])))}
-        for r in rows[:PAGE_SIZE]
-    ]
-    filters = {"type": resolved, "publisher": publisher, "artifact": artifact}
+        total = queries.count(registry.db, where)
+        listing, envelopes = _listing(registry, where, Seek(PAGE_SIZE, before=_before(before)))
+        publishers = queries.publisher_names(registry.db)
+    items = _listed(listing, envelopes)
+    filters = {"type": chosen.resolved_kind(artifacts_hint=hint), "publisher": publisher, "artifact": artifact}
     return {
         "items": items,
         "total": total,
         "filters": filters,
         "kinds": RECORD_KINDS,
         "publishers": publishers,
-        "next_url": _url("/records", **filters, before=items[-1]["log_index"]) if len(rows) > PAGE_SIZE else None,
+        "next_url": _url("/records", **filters, before=items[-1]["log_index"]) if listing.more else None,
         "first_url": _url("/records", **filters) if before is not None else None,
     }
 
@@ -938,17 +593,11 @@ def _exactness_context(registry: Registry, entry: dict[str, Any], statement: Exa
     samples = list(p.samples)
     # Other exactness records over the same prefix artifacts at another level (a shifted run
     # beside an own-position one, or the reverse): their figures go beside these.
-    rows = _query(
-        registry,
-        "SELECT DISTINCT e.log_index, e.envelope FROM entry_refs r JOIN entries e ON e.log_index = r.log_index "
-        "WHERE r.role = 'prefix_artifact' AND e.kind = 'exactness' AND e.log_index <> ? AND r.ref IN "
-        "(SELECT ref FROM entry_refs WHERE log_index = ? AND role = 'prefix_artifact') ORDER BY e.log_index LIMIT 6",
-        [entry["log_index"], entry["log_index"]],
-    )
     companions = []
-    for index, envelope in rows:
+    for found in queries.exactness_companions(registry.db, int(entry["log_index"])):
+        index = found.log_index
         try:
-            other = _statement(bytes(envelope))
+            other = _statement(found.envelope)
         except RegistryError:
             continue
         if not isinstance(other, ExactnessStatement):
@@ -971,7 +620,7 @@ def _exactness_context(registry: Registry, entry: dict[str, Any], statement: Exa
         "bitwise_equal": sum(s.bitwise_equal for s in samples),
         "argmax_agree_all": sum(s.argmax_agreement == 1.0 for s in samples),
         "max_kl_divergence": max((s.kl_divergence for s in samples), default=0.0),
-        "mean_argmax_agreement": _mean([s.argmax_agreement for s in samples]),
+        "mean_argmax_agreement": mean_figure([s.argmax_agreement for s in samples]),
     }
     claimed = p.summary.model_dump()
     return {
@@ -979,41 +628,11 @@ def _exactness_context(registry: Registry, entry: dict[str, Any], statement: Exa
         "samples": samples,
         "companions": companions,
         "plot": kl_plot_svg(series),
-        "summary_rows": [(k, claimed[k], recomputed[k], _same(claimed[k], recomputed[k])) for k in recomputed],
-        "summary_ok": all(_same(claimed[k], recomputed[k]) for k in recomputed),
+        "summary_rows": [(k, claimed[k], recomputed[k], same_figure(claimed[k], recomputed[k])) for k in recomputed],
+        "summary_ok": all(same_figure(claimed[k], recomputed[k]) for k in recomputed),
         "label": label,
         "level": level,
     }
-
-
-def _finite_float(value: Any) -> float | None:
-    try:
-        f = float(value)
-    except (OverflowError, TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether a claimed figure equals the recomputed one (floats within 1e-9 relative); total."""
-    if isinstance(a, float) or isinstance(b, float):
-        fa, fb = _finite_float(a), _finite_float(b)
-        if fa is None or fb is None:
-            # Beyond float range or not finite: only the very same value is the same.
-            return bool(a == b)
-        return abs(fa - fb) <= 1e-9 * max(1.0, abs(fa))
-    return bool(a == b)
-
-
-def _mean(values: list[Any]) -> Any:
-    # A mean of signed numbers, which may be ints no float holds: then an int mean.
-    if not values:
-        return 0.0
-    total = sum(values)
-    try:
-        return total / len(values)
-    except OverflowError:
-        return total // len(values)
 
 
 def _evaluation_context(statement: EvaluationStatement) -> dict[str, Any]:
@@ -1044,8 +663,8 @@ def _evaluation_context(statement: EvaluationStatement) -> dict[str, Any]:
         "dataset_known": dataset is not None,
         "doc_mismatches": sum(1 for row in items if row["doc_matches"] is False),
         "dataset_file": _shipped_datasets().get(p.dataset.digest),
-        "aggregate_rows": [(k, claimed[k], recomputed[k], _same(claimed[k], recomputed[k])) for k in recomputed],
-        "all_match": all(_same(claimed[k], recomputed[k]) for k in recomputed),
+        "aggregate_rows": [(k, claimed[k], recomputed[k], same_figure(claimed[k], recomputed[k])) for k in recomputed],
+        "all_match": all(same_figure(claimed[k], recomputed[k]) for k in recomputed),
     }
 
 
@@ -1058,13 +677,12 @@ def record_context(registry: Registry, digest: str, base: str | None) -> dict[st
     """
     parse_digest_ref(digest, what="entry digest")
     with registry.db.lock:
-        rows = _query(registry, _ENTRY_SQL + " WHERE digest = ?", [digest])
-        if not rows:
+        row = queries.entry_by_digest(registry.db, digest)
+        if row is None:
             raise EntryNotFoundError(f"no entry has digest {digest}")
-        entry = _entry_dict(rows[0], _subjects_of(registry, int(rows[0][0])))
+        entry, envelope_bytes = _entry_page_rows(registry, row)
         if entry["artifact"] is not None:
             return {"kind": "artifact", "entry": entry}
-        envelope_bytes = bytes(rows[0][12])
         key_rows = publisher_key_rows(registry, entry["publisher"])
         proof = _proof_context(registry, entry)
     signature = verified_status(registry, envelope_bytes, entry["publisher"], key_rows)
@@ -1133,12 +751,7 @@ def log_context(
     """Checkpoints newest first, and a consistency proof between two tree sizes."""
     with registry.db.lock:
         head = registry.head
-        rows = _query(
-            registry,
-            "SELECT tree_size, root_hash, created_at FROM checkpoints WHERE tree_size < ? ORDER BY tree_size DESC "
-            f"LIMIT {PAGE_SIZE + 1}",
-            [_before(before)],
-        )
+        listing = queries.checkpoints(registry.db, _before(before), PAGE_SIZE)
         size = head.size
         new_size = size if new is None else new
         old_size = (new_size // 2 if new_size >= 2 else 0) if old is None else old
@@ -1148,9 +761,9 @@ def log_context(
                 hint=f"pick two tree sizes between 0 and the latest checkpoint's ({size})",
             )
         proof = registry.consistency_proof(old_size, new_size)
-        roots = dict(_query(registry, "SELECT tree_size, root_hash FROM checkpoints WHERE tree_size IN (?, ?)", [old_size, new_size]))
+        roots = queries.checkpoint_roots(registry.db, [old_size, new_size])
         log_key = registry.log_key()
-    checkpoints = [{"size": int(r[0]), "root_hash": bytes(r[1]).hex(), "created_at": r[2]} for r in rows[:PAGE_SIZE]]
+    checkpoints = [{"size": c.tree_size, "root_hash": c.root_hash.hex(), "created_at": c.created_at} for c in listing.rows]
     old_size, new_size = int(old_size), int(new_size)
     commands = "\n".join(
         [
@@ -1165,12 +778,12 @@ def log_context(
     return {
         "head": {"size": size, "root_hash": head.root_hash.hex(), "note": head.note.decode("utf-8")},
         "checkpoints": checkpoints,
-        "next_url": _url("/log", old=old, new=new, before=checkpoints[-1]["size"]) if len(rows) > PAGE_SIZE else None,
+        "next_url": _url("/log", old=old, new=new, before=checkpoints[-1]["size"]) if listing.more else None,
         "first_url": _url("/log", old=old, new=new) if before is not None else None,
         "old": old_size,
         "new": new_size,
-        "old_root": bytes(roots[old_size]).hex() if old_size in roots else None,
-        "new_root": bytes(roots[new_size]).hex() if new_size in roots else None,
+        "old_root": roots[old_size].hex() if old_size in roots else None,
+        "new_root": roots[new_size].hex() if new_size in roots else None,
         "consistency": proof,
         "commands": commands,
         "command_note": command_note(registry),
@@ -1206,9 +819,7 @@ def publishers_context(registry: Registry) -> dict[str, Any]:
     """Every publisher with its keys and how many entries of each kind it published."""
     with registry.db.lock:
         publishers = registry.publishers()
-        counts: dict[str, dict[str, int]] = {}
-        for name, kind, n in _query(registry, "SELECT publisher, kind, count(*) FROM entries GROUP BY publisher, kind"):
-            counts.setdefault(name, {})[kind] = int(n)
+        counts = queries.kinds_by_publisher(registry.db)
     return {"publishers": publishers, "counts": counts}
 
 

@@ -1,7 +1,7 @@
 """The DSSE envelope (https://github.com/secure-systems-lab/dsse/blob/master/envelope.md).
 
-The model only checks shapes; base64 decoding and signature checks are the verifier's job, over
-the payload bytes exactly as received.
+The model only checks shapes; signature checks are the verifier's job, over the payload bytes
+exactly as received. Reading a payload without them is ``layout.statement_unverified``.
 """
 
 from __future__ import annotations

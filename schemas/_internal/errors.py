@@ -22,13 +22,14 @@ class KvgraftError(Exception):
         ├── SchemaError (also a ValueError)      kvgraft.schemas: data contracts
         │   ├── InvalidDigestError
         │   ├── CanonicalizationError
-        │   └── DocumentError
+        │   ├── DocumentError
+        │   └── DirectoryExistsError
         ├── VerificationError                     kvgraft.verifier: signatures, digests, proofs, records
         │   ├── MalformedInputError ── KeyFileError
         │   ├── UnsupportedPayloadTypeError, UnknownKeyError, BadSignatureError,
         │   │   ThresholdNotMetError, UntrustedRootError, IdentityMismatchError,
         │   │   LogEntryError, LogProofError, ClaimMismatchError
-        │   └── DigestMismatchError ── SubjectMismatchError
+        │   └── DigestMismatchError ── SubjectMismatchError, TokenDigestMismatchError, ChainKeyMismatchError
         ├── EngineError                           kvgraft.engine: models, artifacts, grafts, library
         │   ├── UnknownModelError, ModelNotInstalledError, ModelFileError, KvFileError,
         │   │   ProfileMismatchError, InputTextError, LibraryError, EvaluationError,
@@ -74,3 +75,9 @@ class CanonicalizationError(SchemaError):
 
 class DocumentError(SchemaError):
     """A JSON document does not match the model it should be (wrong fields or types)."""
+
+
+class DirectoryExistsError(SchemaError):
+    """A staged directory's target already exists: writers never replace a directory."""
+
+    default_hint = "write into a new directory"

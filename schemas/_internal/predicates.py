@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import Field, model_validator
 
 from .digests import DigestField
 from .statement import Contract, Statement
 
-KV_ARTIFACT_PREDICATE = "https://kvgraft.dev/kv-artifact/v1"
+KV_ARTIFACT_PREDICATE: Final = "https://kvgraft.dev/kv-artifact/v1"
 
 ExactnessLevel = Literal["own-position", "schedule-invariant"]
 

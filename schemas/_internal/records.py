@@ -6,7 +6,7 @@ digests of its inputs and outputs so that the verifier can recompute it offline.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import Field, model_validator
 
@@ -14,10 +14,10 @@ from .digests import DigestField, HexDigestField
 from .predicates import DeterminismProfile, ModelRef
 from .statement import Contract, Statement
 
-EXACTNESS_PREDICATE = "https://kvgraft.dev/exactness/v1"
-EVALUATION_PREDICATE = "https://kvgraft.dev/evaluation/v1"
-PRE_REGISTRATION_PREDICATE = "https://kvgraft.dev/pre-registration/v1"
-REPLAY_PREDICATE = "https://kvgraft.dev/replay/v1"
+EXACTNESS_PREDICATE: Final = "https://kvgraft.dev/exactness/v1"
+EVALUATION_PREDICATE: Final = "https://kvgraft.dev/evaluation/v1"
+PRE_REGISTRATION_PREDICATE: Final = "https://kvgraft.dev/pre-registration/v1"
+REPLAY_PREDICATE: Final = "https://kvgraft.dev/replay/v1"
 
 
 # --- exactness -----------------------------------------------------------------------------

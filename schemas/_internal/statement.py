@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .digests import HexDigestField
 
-STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
+STATEMENT_TYPE: Final = "https://in-toto.io/Statement/v1"
 
 
 class Contract(BaseModel):

@@ -283,9 +283,9 @@ def free_port() -> int:
 
 
 def registry_cli(*args: str | Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m kvgraft.registry ARGS`` (the same commands as ``kvgraft``), bounded in time."""
+    """Run ``python -m kvgraft ARGS`` (the ``kvgraft`` command), bounded in time."""
     return subprocess.run(
-        [sys.executable, "-m", "kvgraft.registry", *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=REPO
+        [sys.executable, "-m", "kvgraft", *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=REPO
     )
 
 
@@ -299,7 +299,7 @@ class Server:
         self._log_path = log
         self._log = log.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvgraft.registry", "serve", "--data", str(data), "--port", str(self.port),
+            [sys.executable, "-m", "kvgraft", "serve", "--data", str(data), "--port", str(self.port),
              "--log-level", "warning", *extra],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
         )

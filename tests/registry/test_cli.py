@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvgraft.registry.cli import main
+from kvgraft.cli import main
 
 from .conftest import Key
 
@@ -49,19 +49,22 @@ def test_keys_and_tokens_without_a_server(tmp_path: Path, keys: dict[str, Key], 
 
 
 @pytest.mark.parametrize(
-    ("argv", "message"),
+    ("argv", "error", "message"),
     [
-        (["token", "list", "--data", "{tmp}/missing"], "is not a registry data directory"),
-        (["token", "revoke", "--data", "{tmp}/data", "tok_123"], "is not a token id"),
-        (["token", "revoke", "--data", "{tmp}/data", "tok_000000000000"], "no token has id tok_000000000000"),
-        (["key", "add", "--data", "{tmp}/data", "--publisher", "x", "--public-key", "{tmp}/nope.pub"], "does not exist"),
-        (["key", "add", "--data", "{tmp}/data", "--publisher", "Not OK", "--public-key", "{alice}"], "publisher name 'Not OK'"),
-        (["key", "add", "--data", "{tmp}/data", "--publisher", "x", "--public-key", "{alice_private}"], "not a PEM public key"),
-        (["token", "create", "--data", "{tmp}/data", "--publisher", "bob", "--key", "{alice}"], "registered for publisher 'alice'"),
+        (["token", "list", "--data", "{tmp}/missing"], "AdminUnavailableError", "is not a registry data directory"),
+        (["token", "revoke", "--data", "{tmp}/data", "tok_123"], "TokenNotFoundError", "is not a token id"),
+        (["token", "revoke", "--data", "{tmp}/data", "tok_000000000000"], "TokenNotFoundError", "no token has id tok_000000000000"),
+        (["key", "add", "--data", "{tmp}/data", "--publisher", "x", "--public-key", "{tmp}/nope.pub"], "CliError", "does not exist"),
+        (["key", "add", "--data", "{tmp}/data", "--publisher", "Not OK", "--public-key", "{alice}"], "InvalidNameError",
+         "publisher name 'Not OK'"),
+        (["key", "add", "--data", "{tmp}/data", "--publisher", "x", "--public-key", "{alice_private}"], "BadRequestError",
+         "not a PEM public key"),
+        (["token", "create", "--data", "{tmp}/data", "--publisher", "bob", "--key", "{alice}"], "ConflictError",
+         "registered for publisher 'alice'"),
     ],
 )
 def test_failures_are_one_line(
-    tmp_path: Path, keys: dict[str, Key], capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+    tmp_path: Path, keys: dict[str, Key], capsys: pytest.CaptureFixture[str], argv: list[str], error: str, message: str
 ) -> None:
     main(["key", "add", "--data", str(tmp_path / "data"), "--publisher", "alice", "--public-key", str(keys["alice"].pub_path)])
     capsys.readouterr()
@@ -70,12 +73,13 @@ def test_failures_are_one_line(
     out, err = capsys.readouterr()
     assert code == 1
     assert len(err.splitlines()) == 1 and "Traceback" not in err
-    assert err.startswith("kvgraft: CliError: ")
+    # The registry's own error class, not a wrapper (a failure of the command's own options is a CliError).
+    assert err.startswith(f"kvgraft: {error}: ")
     assert message in err
 
 
 def test_kvgraft_has_the_registry_commands() -> None:
-    """``kvgraft.cli`` must call ``add_registry_commands(sub)`` (the line added in kvgraft/cli.py)."""
+    """``kvgraft.cli`` must add the registry's commands (``kvgraft/cli/serve.py``) to its parser."""
     from kvgraft.cli import build_parser
 
     parser = build_parser()
@@ -89,7 +93,7 @@ def test_the_commands_import_neither_litestar_nor_duckdb() -> None:
     import sys
 
     code = (
-        "import sys, kvgraft.registry, kvgraft.registry.cli; "
+        "import sys, kvgraft.registry, kvgraft.cli; "
         "heavy = [m for m in ('litestar', 'duckdb', 'uvicorn', 'httpx', 'anyio') if m in sys.modules]; "
         "print(heavy); sys.exit(1 if heavy else 0)"
     )

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvgraft.cli import main as client_main
 from kvgraft.registry.client import (
     EnvelopeSignatureError,
     EvidenceError,
@@ -29,7 +30,6 @@ from kvgraft.registry.client import (
     publish,
     pull,
 )
-from kvgraft.registry.client_cli import main as client_main
 from kvgraft.schemas import canonical_model
 from kvgraft.verifier import (
     TrustedKeys,
@@ -309,8 +309,8 @@ def test_client_imports_stay_light() -> None:
     # client imports neither the server's frameworks nor its modules.
     code = (
         "import sys\n"
-        "import kvgraft.registry.client_cli\n"
-        "assert 'httpx' not in sys.modules, 'client_cli imported httpx'\n"
+        "import kvgraft.cli\n"
+        "assert 'httpx' not in sys.modules, 'kvgraft.cli imported httpx'\n"
         "import kvgraft.registry.client\n"
         "bad = [m for m in ('litestar', 'duckdb', 'uvicorn', 'torch', 'kvgraft.registry._internal.service') if m in sys.modules]\n"
         "assert not bad, bad\n"

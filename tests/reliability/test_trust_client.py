@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvgraft.cli import main as client_main
 from kvgraft.registry.client import (
     NO_MEMORY,
     BlobDigestError,
@@ -38,18 +39,20 @@ from kvgraft.registry.client import (
     ListingError,
     LogForkError,
     RegistryClient,
+    RegistryResponseError,
     RegistryUnavailableError,
     ResponseTooLargeError,
     publish,
     registry_key,
 )
-from kvgraft.registry.client_cli import main as client_main
 from kvgraft.verifier import (
     Checkpoint,
     MerkleTree,
     SigningKey,
     ephemeral_signing_key,
+    format_vkey,
     generate_private_key,
+    keyid_of,
     load_private_key,
     merkle_root,
     public_key_pem,
@@ -159,8 +162,11 @@ class FakeLog:
 
     def install(self, server: _Hostile) -> None:
         def key_doc(h: _Handler, q: dict[str, str]) -> None:
-            pem = public_key_pem(self.key.public_key).decode()
-            h.send_raw(200, json.dumps({"origin": self.origin, "public_key_pem": pem, "tree_size": self.size}).encode())
+            # A whole LogKey document: the client reads every answer with the shared wire models.
+            public = self.key.public_key
+            doc = {"origin": self.origin, "public_key_pem": public_key_pem(public).decode(), "keyid": str(keyid_of(public)),
+                   "vkey": format_vkey(self.origin, public), "tree_size": self.size}
+            h.send_raw(200, json.dumps(doc).encode())
 
         def checkpoint(h: _Handler, q: dict[str, str]) -> None:
             h.send_raw(200, self.note(int(q.get("tree_size", self.size))), "text/plain; charset=utf-8")
@@ -237,6 +243,29 @@ def test_json_answer_announcing_more_than_the_limit_is_refused_unread(hostile: _
         pytest.raises(ResponseTooLargeError, match="announced 1099511627776 bytes"),
     ):
         registry_key(client, None)
+
+
+def test_answer_of_the_wrong_shape_is_one_malformed_answer_line(
+    hostile: _Hostile, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The wire models are strict: a string for an integer, a boolean for an index, or a missing
+    # member is the registry's fault, said in one line naming the field, never a coercion.
+    log = _fresh_log(3)
+    log.install(hostile)
+    key_doc = {"origin": log.origin, "public_key_pem": public_key_pem(log.key.public_key).decode(),
+               "keyid": "k", "vkey": "v", "tree_size": "3"}
+    hostile.routes["/v1/log/key"] = lambda h, q: h.send_raw(200, json.dumps(key_doc).encode())
+    code, out, err = _cli(capsys, "pull", "--registry", hostile.url, DIGEST, "--out", tmp_path / "out")
+    _one_line_failure(code, out, err, "RegistryResponseError", "sent a malformed answer", "tree_size")
+    hostile.routes["/v1/entries"] = lambda h, q: h.send_raw(
+        200, json.dumps({"items": [{"log_index": True}], "next_cursor": None}).encode()
+    )
+    with (
+        RegistryClient(hostile.url, memory=NO_MEMORY) as client,
+        pytest.raises(RegistryResponseError, match=r"the page does not have the registry's shape: items\.0\.log_index"),
+    ):
+        list(client.iter_entries())
+    assert not (tmp_path / "out").exists()
 
 
 def test_pull_of_200000_deep_json_ends_in_one_line(

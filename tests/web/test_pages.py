@@ -8,9 +8,11 @@ import re
 
 import pytest
 
+from kvgraft.registry._internal import signatures
 from kvgraft.registry._internal import ui as ui_module
 from kvgraft.registry._internal.security import SECURITY_HEADERS
 from kvgraft.verifier import keyid_of, parse_trusted_keys
+from kvgraft.web import lineage_view
 from tests.registry.conftest import Harness, Key, artifact
 
 from .conftest import HOSTILE_MODEL, HOSTILE_TEXT, IMG, SCRIPT, World
@@ -88,8 +90,8 @@ def test_signature_status_reports_who_signed_and_why_not(ui: tuple[Harness, Worl
     assert ui_signature(registry, good, "nobody").message == "publisher 'nobody' has no registered key to verify with"
 
 
-def ui_signature(registry: object, envelope: bytes, publisher: str) -> ui_module.SignatureStatus:
-    return ui_module.signature_status(registry, envelope, publisher)  # type: ignore[arg-type]
+def ui_signature(registry: object, envelope: bytes, publisher: str) -> signatures.SignatureStatus:
+    return signatures.signature_status(registry, envelope, publisher)  # type: ignore[arg-type]
 
 
 def test_artifact_page_states_signer_lineage_proof_and_commands(ui: tuple[Harness, World], web_keys: dict[str, Key]) -> None:
@@ -207,7 +209,7 @@ def test_ancestors_are_listed_nearest_first(ui: tuple[Harness, World]) -> None:
 def test_a_long_chain_is_drawn_shortened_with_its_root() -> None:
     parents = [{"digest": f"sha256:{i:064x}", "log_index": i, "positions": (i, i + 1)} for i in range(9, -1, -1)]
     children = [{"digest": f"sha256:{100 + i:064x}", "log_index": 100 + i, "positions": (10, 11)} for i in range(8)]
-    drawn = ui_module._lineage({"digest": "sha256:" + "f" * 64, "positions": (10, 11)}, parents, children)
+    drawn = lineage_view({"digest": "sha256:" + "f" * 64, "positions": (10, 11)}, parents, children)
     svg = str(drawn["svg"])
     assert "\u2026 7 more" in svg  # 10 ancestors: the root, 7 behind the marker, the 2 nearest
     assert svg.count('class="node-link"') == 1 + 2 + 6 + 1  # root, 2 parents, 6 children, "+ 2 more" link

@@ -29,6 +29,7 @@ import httpx
 import pytest
 
 from kvgraft.registry import RegistrySettings
+from kvgraft.registry._internal import signatures
 from kvgraft.registry._internal import ui as ui_module
 from kvgraft.registry._internal.accounts import TokenInfo
 from kvgraft.registry._internal.entries import IndexedStatement, index_statement
@@ -409,14 +410,14 @@ def test_signature_is_verified_outside_the_database_lock_and_cached_per_envelope
     data, world = trust_data
     with harness(data, web_keys) as h:
         registry = h.client.app.state.registry
-        real = ui_module.verify_envelope
+        real = signatures.verify_envelope
         held: list[bool] = []
 
         def spy(*args: Any, **kwargs: Any) -> Any:
             held.append(registry.db.lock._is_owned())
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(ui_module, "verify_envelope", spy)
+        monkeypatch.setattr(signatures, "verify_envelope", spy)
         path = f"/artifacts/{world.chain[3].digest}"
         assert "signature verified" in h.client.get(path).text
         assert held == [False]
@@ -436,7 +437,7 @@ def test_signature_cache_holds_at_most_verify_cache_entries(
     with harness(data, web_keys, verify_cache_entries=2) as h:
         for link in world.chain[:5]:
             assert h.client.get(f"/artifacts/{link.digest}").status_code == 200
-        assert len(ui_module.verify_cache(h.client.app.state.registry)) == 2
+        assert len(signatures.verify_cache(h.client.app.state.registry)) == 2
 
 
 def test_an_envelope_stored_with_more_than_max_signatures_is_shown_unverified_without_verifying(
@@ -444,8 +445,8 @@ def test_an_envelope_stored_with_more_than_max_signatures_is_shown_unverified_wi
 ) -> None:
     h, world = trust_ui
     calls: list[int] = []
-    real = ui_module.verify_envelope
-    monkeypatch.setattr(ui_module, "verify_envelope", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = signatures.verify_envelope
+    monkeypatch.setattr(signatures, "verify_envelope", lambda *a, **k: calls.append(1) or real(*a, **k))
     page = h.client.get(f"/entries/{world.many_signatures}", follow_redirects=True)
     assert page.status_code == 200, page.text
     assert "not verified: too many signatures (40; this registry checks at most 16 per envelope)" in page.text

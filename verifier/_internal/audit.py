@@ -17,12 +17,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgraft.schemas import ReplayStatement, SchemaError, Sha256Digest, Statement, parse_json, sha256_bytes
+from kvgraft.schemas import (
+    CHECKPOINT_FILE,
+    LOG_PROOF_FILE,
+    RECORD_FILE,
+    REGISTRY_KEY_FILE,
+    REPORT_DATASETS_DIR,
+    REPORT_FOLDERS,
+    STATEMENT_FILE,
+    SUMMARY_FILE,
+    TRUSTED_KEYS_FILE,
+    ReplayStatement,
+    SchemaError,
+    Sha256Digest,
+    Statement,
+    parse_json,
+    sha256_bytes,
+)
 
 from .dsse import parse_envelope, verify_statement_envelope
 from .errors import ClaimMismatchError, LogProofError, MalformedInputError, VerificationError
-from .evaluation import LOG_PROOF_FILE, MAX_ENVELOPE_BYTES, verify_evaluation_record
-from .exactness import RECORD_FILE, verify_exactness_record
+from .evaluation import MAX_ENVELOPE_BYTES, verify_evaluation_record
+from .exactness import verify_exactness_record
 from .files import read_input
 from .grading import Dataset, load_dataset
 from .keys import TrustedKeys, load_trusted_keys
@@ -30,12 +46,8 @@ from .replay import load_checkpoint, verify_log_proof, verify_pre_registration, 
 from .subjects import verify_subjects
 from .tlog import Checkpoint
 
-TRUSTED_KEYS_FILE = "trusted-keys.json"
-REGISTRY_KEY_FILE = "registry-key.pub.pem"
-CHECKPOINT_FILE = "checkpoint.txt"
-SUMMARY_FILE = "summary.json"
-ARTIFACT_ENVELOPE = "statement.dsse.json"
-RECORD_KINDS = ("artifacts", "exactness", "evaluations", "pre-registrations", "replays")
+#: The report's sub-folders, in the order they are audited (a pre-registration before its replay).
+RECORD_KINDS = tuple(folder for folder, _ in REPORT_FOLDERS.values())
 
 _MAX_SUMMARY_BYTES = 16 << 20
 
@@ -150,7 +162,7 @@ class _Auditor:
             with self.check(CHECKPOINT_FILE):
                 self.checkpoint = load_checkpoint(self.root / CHECKPOINT_FILE, self.root / REGISTRY_KEY_FILE)
                 self.ok(f"{CHECKPOINT_FILE} signed by {REGISTRY_KEY_FILE}, size", self.checkpoint.size)
-        for path in sorted((self.root / "datasets").glob("*.jsonl")):
+        for path in sorted((self.root / REPORT_DATASETS_DIR).glob("*.jsonl")):
             with self.check(self.rel(path)):
                 ds = load_dataset(path)
                 self.datasets[ds.digest] = ds
@@ -190,13 +202,13 @@ class _Auditor:
     def artifact(self, d: Path) -> None:
         name = self.rel(d)
         with self.check(name):
-            statement, signers = self.signed(d / ARTIFACT_ENVELOPE)
-            verify_subjects(statement, d, exclude=[d / ARTIFACT_ENVELOPE, d / LOG_PROOF_FILE])
+            statement, signers = self.signed(d / STATEMENT_FILE)
+            verify_subjects(statement, d, exclude=[d / STATEMENT_FILE, d / LOG_PROOF_FILE])
             self.ok(f"{name} signed by", ", ".join(signers))
             for s in statement.subject:
                 self.ok(f"{name} subject {s.name}", f"sha256:{s.digest.sha256}")
             self.predicates[name] = statement.model_dump(mode="json", by_alias=True)["predicate"]
-        self.log_inclusion(d, d / ARTIFACT_ENVELOPE)
+        self.log_inclusion(d, d / STATEMENT_FILE)
 
     def exactness(self, d: Path) -> None:
         name = self.rel(d)

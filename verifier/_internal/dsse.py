@@ -8,7 +8,6 @@ The payload is verified as the bytes received and parsed only after the signatur
 from __future__ import annotations
 
 import base64
-import binascii
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from kvgraft.schemas import (
     Signature,
     Statement,
     canonical_model,
+    decode_base64,
     parse_json,
     parse_statement,
 )
@@ -45,19 +45,14 @@ def pae(payload_type: str, payload: bytes) -> bytes:
 
 
 def b64decode_any(text: str, *, what: str) -> bytes:
-    """Decode standard or URL-safe base64, padded or not; refuse anything else."""
-    if not isinstance(text, str):
-        raise MalformedInputError(f"{what} must be a base64 string, got {type(text).__name__}")
-    stripped = text.rstrip("=")
-    if len(text) - len(stripped) > 2 or len(stripped) % 4 == 1:
-        raise MalformedInputError(f"{what} is not valid base64: wrong length or padding")
-    if ("-" in stripped or "_" in stripped) and ("+" in stripped or "/" in stripped):
-        raise MalformedInputError(f"{what} mixes the standard and URL-safe base64 alphabets")
-    normal = stripped.replace("-", "+").replace("_", "/")
+    """Decode standard or URL-safe base64, padded or not; refuse anything else.
+
+    The rule is ``kvgraft.schemas.decode_base64``; here a fault is a ``MalformedInputError``.
+    """
     try:
-        return base64.b64decode(normal + "=" * (-len(normal) % 4), validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise MalformedInputError(f"{what} is not valid base64: {e}") from e
+        return decode_base64(text, what=what)
+    except DocumentError as e:
+        raise MalformedInputError(e.message) from e
 
 
 def _b64(data: bytes) -> str:

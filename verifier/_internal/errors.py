@@ -61,6 +61,19 @@ class SubjectMismatchError(DigestMismatchError):
     default_hint = "the directory must hold exactly the files the statement names, unmodified"
 
 
+class TokenDigestMismatchError(DigestMismatchError):
+    """A KV artifact's ``tokens.digest`` is not the sha256 of its token ids' canonical JSON."""
+
+    default_hint = "the signer produced an inconsistent statement; do not graft it, ask them to re-capture it"
+
+
+class ChainKeyMismatchError(DigestMismatchError):
+    """A KV artifact's ``chain_key`` does not follow from its parent's (or, for a root, from nothing),
+    or the parent given is not the one it names."""
+
+    default_hint = "the artifact does not continue the parent it names; do not graft it onto that parent"
+
+
 class UntrustedRootError(VerificationError):
     """A Sigstore bundle does not chain to the trusted root (or the root is unusable)."""
 

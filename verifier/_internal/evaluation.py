@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvgraft.schemas import (
+    LOG_PROOF_FILE,
+    OUTPUTS_FILE,
+    RECORD_FILE,
     DocumentError,
     EvaluationAggregates,
     EvaluationItem,
@@ -31,10 +34,6 @@ from .files import read_input
 from .grading import Dataset, grade, harness_hashes, hash_string
 from .keys import TrustedKeys
 from .subjects import verify_subjects
-
-EVAL_RECORD_FILE = "record.dsse.json"
-OUTPUTS_FILE = "outputs.jsonl"
-LOG_PROOF_FILE = "log.json"
 
 #: An outputs file larger than this is refused before reading.
 MAX_OUTPUTS_BYTES = 512 << 20
@@ -183,7 +182,7 @@ def verify_evaluation_record(
     Re-computes every hash, re-grades every output and recounts every aggregate; raises
     ``ClaimMismatchError`` naming the item, field, claimed and recomputed values.
     """
-    record = directory / EVAL_RECORD_FILE
+    record = directory / RECORD_FILE
     envelope_bytes = read_input(record, "evaluation record", limit=MAX_ENVELOPE_BYTES)
     verified, statement = verify_statement_envelope(parse_envelope(envelope_bytes, source=f"envelope {record}"), trusted)
     if not isinstance(statement, EvaluationStatement):

@@ -16,15 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from kvgraft.schemas import ExactnessSample, ExactnessStatement, Sha256Digest, hex_of
+from kvgraft.schemas import LOGITS_DIR, RECORD_FILE, ExactnessSample, ExactnessStatement, Sha256Digest, hex_of
 
 from .dsse import read_envelope, verify_statement_envelope
 from .errors import ClaimMismatchError, MalformedInputError
 from .keys import TrustedKeys
 from .subjects import verify_subjects
-
-RECORD_FILE = "record.dsse.json"
-LOGITS_DIR = "logits"
 
 
 def logits_file_name(digest: Sha256Digest) -> str:
@@ -34,7 +31,8 @@ def logits_file_name(digest: Sha256Digest) -> str:
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     z = x.astype(np.float64) - x.max(axis=-1, keepdims=True).astype(np.float64)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    out: np.ndarray = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    return out
 
 
 @dataclass(frozen=True)

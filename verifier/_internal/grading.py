@@ -187,7 +187,7 @@ class Dataset:
     def question(self, index: int) -> str:
         """The problem text of doc ``index`` (AIME's ``prompt``, else ``question``)."""
         doc = self._doc(index)
-        return doc["prompt"] if self.kind == "aime" else doc["question"]
+        return str(doc["prompt"] if self.kind == "aime" else doc["question"])
 
     def reference(self, index: int) -> str:
         """The normalized reference answer of doc ``index``, comparable with ``extract_answer``."""

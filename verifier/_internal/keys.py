@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +18,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvgraft.schemas import DocumentError, parse_json
+# write_atomic is the one single-file atomic writer (kvgraft.schemas); the verifier re-exports it.
+from kvgraft.schemas import DocumentError, parse_json, write_atomic
 
 from .errors import KeyFileError
 from .files import read_input
@@ -51,24 +50,6 @@ def generate_private_key() -> Ed25519PrivateKey:
 def read_limited(path: Path, limit: int, what: str) -> bytes:
     """Read a small key or trust file whole; failures are ``KeyFileError``."""
     return read_input(path, what, limit=limit, error=KeyFileError)
-
-
-def write_atomic(path: Path, data: bytes, mode: int) -> None:
-    """Write ``data`` to ``path`` with ``mode`` via a fsynced temp file and a rename."""
-    # Write beside the target and rename, so a crash never leaves a half-written key behind.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def save_private_key(key: Ed25519PrivateKey, path: Path, passphrase: bytes | None = None) -> None:

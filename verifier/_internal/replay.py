@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvgraft.schemas import (
+    EXPECTED_OUTPUTS_FILE,
+    LOG_PROOF_FILE,
+    OUTPUTS_FILE,
+    RECORD_FILE,
     PreRegistrationStatement,
     ReplayStatement,
     Sha256Hex,
@@ -21,15 +25,12 @@ from kvgraft.schemas import (
 
 from .dsse import parse_envelope, verify_statement_envelope
 from .errors import ClaimMismatchError, LogProofError, MalformedInputError
-from .evaluation import LOG_PROOF_FILE, MAX_ENVELOPE_BYTES, OUTPUTS_FILE, OutputLine, output_hash, read_outputs
+from .evaluation import MAX_ENVELOPE_BYTES, OutputLine, output_hash, read_outputs
 from .files import read_input
 from .keys import TrustedKeys, load_public_key
 from .subjects import verify_subjects
 from .tlog import Checkpoint, hash_leaf, verify_checkpoint, verify_inclusion
 from .tlog_cli import _INCLUSION_KEYS, _about, _proof_object, _read_checkpoint, _unverified_origin
-
-RECORD_FILE = "record.dsse.json"
-EXPECTED_OUTPUTS_FILE = "expected-outputs.jsonl"
 
 
 def load_checkpoint(checkpoint: Path, registry_key: Path) -> Checkpoint:

@@ -1,13 +1,17 @@
 """The registry's wire format: one typed model per JSON body the HTTP API sends.
 
-The handlers in ``app.py`` return these models, so the OpenAPI document at
-``/schema/openapi.json`` is generated from the very types the service answers with. Each model
-is validated from the service's plain document and serialised with ``exclude_unset``, so a
-response holds exactly the keys the service put in it, in the same order: the JSON bodies are
-the same bytes as before these models existed (the client and the verifier parse them as is).
+Shared by both ends: the service's handlers (``kvgraft.registry``'s ``app.py``) return these
+models, so the OpenAPI document at ``/schema/openapi.json`` is generated from the very types the
+service answers with; the client (``kvgraft.registry.client``) parses every answer with them
+(strictly: nothing is coerced), so a document of the wrong shape is refused in one place.
+
+Each model is validated from the service's plain document and serialised with ``exclude_unset``
+(``dump_wire``), so a response holds exactly the keys the service put in it, in the same order:
+the JSON bodies are the same bytes as before these models existed (the verifier parses them as is).
 
 Models allow extra keys (``extra="allow"``): a field the service adds later is passed through
-unchanged instead of turning every answer into a 500; the schema documents the known ones.
+unchanged instead of turning every answer into a 500 (or every client into an error); the schema
+documents the known ones.
 
 Formats: a digest is ``sha256:`` and 64 lowercase hex digits; a hash in a proof is 64 lowercase
 hex digits (no prefix); times are RFC 3339 UTC with seconds (``2026-11-29T12:00:00Z``).
@@ -148,6 +152,19 @@ class EntryDocument(Wire):
     checkpoint: str = Field(description="the C2SP signed note of the latest checkpoint")
 
 
+class ListedItem(Wire):
+    """What every listed item has, whatever the listing (entries, records, artifacts): its log index."""
+
+    log_index: Index
+
+
+class Listing(Wire):
+    """What every page shares (``EntryPage``, ``ArtifactPage``): a client walks any listing with it."""
+
+    items: list[ListedItem]
+    next_cursor: str | None
+
+
 class EntryPage(Wire):
     """One page of entries (or records) in log order; ``next_cursor`` is null on the last page."""
 
@@ -269,6 +286,6 @@ class PublisherList(Wire):
     publishers: list[Publisher]
 
 
-def dump(model: BaseModel) -> dict[str, Any]:
+def dump_wire(model: BaseModel) -> dict[str, Any]:
     """``model`` as the JSON object the API sends: only the keys that were set, in order."""
     return model.model_dump(mode="json", exclude_unset=True)

@@ -1,0 +1,171 @@
+"""What every ``kvgraft`` command shares: its error, the global options, the guard, the output.
+
+A command is ``run(args) -> dict`` (``Command``): the dict is the ``--json`` object (without
+``ok``) and holds a ``summary``, the text printed without ``--json``. A failure is any
+``kvgraft.KvgraftError``; ``main`` prints it as one line on stderr (``kvgraft: <Class>: <str>``)
+and, under ``--json``, as ``{"ok": false, "error": <Class>, "message": ...}`` on stdout, with the
+real class name. Nothing here imports the engine or the registry: the commands load them when
+they run, so ``kvgraft keys`` and ``kvgraft --help`` work without those extras.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from kvgraft.schemas import KvgraftError
+
+#: One command: parsed options in, the result document out (see the module docstring).
+Command = Callable[[argparse.Namespace], dict[str, Any]]
+
+#: Where a registry token is read from when ``--token`` is not given (keeps it out of ``ps`` and history).
+TOKEN_ENV = "KVGRAFT_TOKEN"
+
+
+class CliError(KvgraftError):
+    """A user-facing failure of a ``kvgraft`` command (bad options, local files): one line, with a hint.
+
+    ``result`` is what the command found out before it failed (``kvgraft fsck``'s report);
+    ``--json`` prints it with the failure.
+    """
+
+    def __init__(self, message: str, *, hint: str, result: dict[str, Any] | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.result = result
+
+
+# --- global options ------------------------------------------------------------------------------
+
+
+def add_global_options(parser: argparse.ArgumentParser, *, default: bool | str) -> None:
+    """The options every command takes, before or after its name (as git, gh and kubectl do)."""
+    parser.add_argument("--json", action="store_true", default=default, help="print one JSON object instead of a line")
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of ``kvgraft`` and of each (sub)command: all of them accept the global options.
+
+    ``add_subparsers`` makes its parsers of this same class, so no command can miss them. Below
+    the top level their default is ``SUPPRESS``: a subcommand sets ``--json`` only when given
+    there, and never resets the value the top level parsed (``kvgraft --json ask ...``).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        add_global_options(self, default=argparse.SUPPRESS)
+
+
+def top_parser(prog: str, description: str) -> CommandParser:
+    """``kvgraft``'s own parser: the global options default to off here, and only here."""
+    parser = CommandParser(prog=prog, description=description)
+    parser.set_defaults(json=False)
+    return parser
+
+
+# --- optional extras -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Extra:
+    """An optional part of kvgraft a command needs, and how to install it."""
+
+    what: str
+    install: str
+
+
+ENGINE = Extra("the engine", "pip install 'kvgraft[engine]' (torch==2.13.0 first)")
+REGISTRY = Extra("the registry", "pip install 'kvgraft[registry]'")
+REGISTRY_CLIENT = Extra("the registry client", "pip install 'kvgraft[registry]'")
+
+
+@contextmanager
+def needs(extra: Extra) -> Iterator[None]:
+    """Report a dependency missing inside the block as one line naming the extra to install."""
+    try:
+        yield
+    except ImportError as e:
+        raise CliError(f"{extra.what} is not installed ({e.name} is missing)", hint=extra.install) from e
+
+
+def guarded(command: Command, extra: Extra, *, out_of_memory_hint: str | None = None) -> Command:
+    """``command`` with a missing ``extra`` (and, given a hint, exhausted memory) reported as one line."""
+
+    def run(args: argparse.Namespace) -> dict[str, Any]:
+        with needs(extra):
+            try:
+                return command(args)
+            except (MemoryError, RecursionError) as e:
+                if out_of_memory_hint is None:
+                    raise
+                # The client bounds what it reads, but the machine may still have less memory
+                # than a limit allows: one line, like every other failure.
+                ran_out = "memory" if isinstance(e, MemoryError) else "stack"
+                raise CliError(f"{type(e).__name__}: the command ran out of {ran_out}", hint=out_of_memory_hint) from e
+
+    return run
+
+
+def add_command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, command: Command, *, help: str,
+    extra: Extra | None = None, out_of_memory_hint: str | None = None,
+) -> argparse.ArgumentParser:
+    """Add subcommand ``name`` running ``command`` (guarded when it needs an ``extra``); return its parser."""
+    parser = sub.add_parser(name, help=help)
+    parser.set_defaults(run=command if extra is None else guarded(command, extra, out_of_memory_hint=out_of_memory_hint))
+    return parser
+
+
+# --- shared inputs -------------------------------------------------------------------------------
+
+
+def passphrase(env_var: str | None) -> bytes | None:
+    """The passphrase held in environment variable ``env_var`` (none when no variable is named)."""
+    if env_var is None:
+        return None
+    value = os.environ.get(env_var)
+    if not value:
+        raise CliError(f"environment variable {env_var} is empty or unset", hint=f"export {env_var}=... first")
+    return value.encode("utf-8")
+
+
+def token(given: str | None, *, required: bool, what: str = "this command") -> str | None:
+    """A registry token: ``--token``, else ``$KVGRAFT_TOKEN``; refused when ``required`` and neither is set."""
+    value = given or os.environ.get(TOKEN_ENV) or None
+    if required and not value:
+        raise CliError(f"{what} needs a registry token", hint=f"pass --token T, or export {TOKEN_ENV}=T")
+    return value
+
+
+def progress(enabled: bool, line: str) -> None:
+    """A progress line on stderr (stdout holds only the result)."""
+    if enabled:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+# --- output --------------------------------------------------------------------------------------
+
+
+def print_result(result: dict[str, Any], *, as_json: bool) -> None:
+    """A command's result: one JSON object with ``"ok": true``, or its summary."""
+    if as_json:
+        sys.stdout.write(json.dumps({"ok": True, **result}, sort_keys=True) + "\n")
+    else:
+        sys.stdout.write(result["summary"] + "\n")
+
+
+def print_failure(error: KvgraftError, *, as_json: bool) -> int:
+    """A failure: one line on stderr naming the error's own class; under ``as_json`` also on stdout. Returns 1."""
+    line = " ".join(str(error).split())
+    name = type(error).__name__
+    if as_json:
+        found = error.result if isinstance(error, CliError) and error.result else {}
+        sys.stdout.write(json.dumps({**found, "ok": False, "error": name, "message": line}, sort_keys=True) + "\n")
+    sys.stderr.write(f"kvgraft: {name}: {line}\n")
+    return 1

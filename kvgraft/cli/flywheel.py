@@ -1,0 +1,310 @@
+"""The flywheel's ``kvgraft`` subcommands: ``library deposit``, ``ask``, ``eval``, ``prereg`` and
+``replay`` (docs/flywheel.md).
+
+torch and httpx are imported only when a command runs; the engine's types are imported for
+annotations only. A command that publishes goes through ``remote.registry_session``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvgraft.schemas import LIBRARY_FILE, RECORD_FILE
+
+from ._common import ENGINE, CliError, add_command, progress
+from .engine import (
+    add_key_options,
+    add_profile_option,
+    add_trust_options,
+    model_and_profile,
+    resolve_trust,
+    signing_key,
+)
+from .remote import add_registry_options, registry_session
+
+if TYPE_CHECKING:
+    from kvgraft.engine import Library
+    from kvgraft.schemas import EvaluationItem
+    from kvgraft.verifier import Dataset
+
+
+# --- library deposit -------------------------------------------------------------------------------
+
+#: What a ``--solutions`` line must be.
+_SOLUTION_LINE = 'each line is {"doc_id": N, "solution": "..."}'
+
+
+def _solutions(args: argparse.Namespace, dataset: Dataset) -> dict[int, str]:
+    """doc id -> worked solution: the dataset's own, a solutions file, or (said so) the key."""
+    from kvgraft.schemas import DocumentError, parse_json
+
+    if args.solutions is not None:
+        out: dict[int, str] = {}
+        try:
+            lines = args.solutions.read_bytes().splitlines()
+        except OSError as e:
+            raise CliError(f"cannot read --solutions {args.solutions}: {e.strerror}", hint="pass a JSONL file") from e
+        for n, line in enumerate(lines, 1):
+            try:
+                obj = parse_json(line, what=f"{args.solutions} line {n}")
+            except DocumentError as e:
+                raise CliError(str(e), hint=_SOLUTION_LINE) from e
+            if not isinstance(obj, dict) or not isinstance(obj.get("doc_id"), int) or not isinstance(obj.get("solution"), str):
+                raise CliError(f"{args.solutions} line {n} is not a solution", hint=_SOLUTION_LINE)
+            out[obj["doc_id"]] = obj["solution"]
+        return out
+    from kvgraft.engine import clean_solution
+
+    out = {}
+    for i in range(len(dataset.docs)):
+        solution = dataset.solution(i)
+        if solution is not None:
+            out[i] = clean_solution(solution) + f"\nThe answer is {dataset.reference(i)}."
+        elif args.solutions_from_key:
+            out[i] = f"The answer key gives \\boxed{{{dataset.reference(i)}}}."
+    if not out:
+        raise CliError(
+            f"{dataset.name} holds no worked solutions",
+            hint="pass --solutions FILE (JSONL of doc_id and solution), or --solutions-from-key to store the key's answers",
+        )
+    return out
+
+
+def _cmd_deposit(args: argparse.Namespace) -> dict[str, Any]:
+    from kvgraft.engine import Library, select
+    from kvgraft.verifier import load_dataset
+
+    dataset = load_dataset(args.dataset)
+    solutions = _solutions(args, dataset)
+    model, profile = model_and_profile(args.model, args.profile)
+    key, passphrase, _ = signing_key(args)
+    if (args.library / LIBRARY_FILE).exists():
+        # New entries chain onto the library's prefix: it is verified before it is built on.
+        trust = resolve_trust(args)
+        library = Library.open(args.library, model, profile, trusted=trust.keys, insecure_skip_verify=trust.skip)
+    else:
+        # A new library's only signed artifact is the prefix it writes now with --key: trusted as that key.
+        library = Library.create(args.library, model, profile, kind=dataset.kind, key=key, passphrase=passphrase)
+    t0 = time.perf_counter()
+    before = len(library.entries)
+    refused: list[int] = []
+    deposited: list[str] = []  # the entries' directories, in the library
+    ids = [i for i in select(dataset, args.limit, args.seed) if i in solutions]
+    for n, i in enumerate(ids):
+        entry = library.deposit(dataset, i, solutions[i], key=key, passphrase=passphrase)
+        if entry is None:
+            refused.append(i)
+        else:
+            deposited.append(entry.directory)
+        progress(not args.json, f"deposit {n + 1}/{len(ids)}: doc {i} {'refused (answer is not the key)' if entry is None else 'ok'}")
+    new = len(library.entries) - before
+    published = 0
+    if args.registry:
+        with registry_session(args, token_required=True) as (client, _):
+            from kvgraft.registry.client import publish
+
+            for directory in ["prefix", *deposited]:
+                published += bool(publish(client, args.library / directory, registry_key_file=args.registry_key).created)
+    seconds = time.perf_counter() - t0
+    return {
+        "library": str(args.library), "dataset": dataset.name, "tried": len(ids), "deposited": new,
+        "already_present": len(deposited) - new, "refused": refused, "entries": len(library.entries),
+        "stored_tokens": library.stored_tokens, "published": published, "seconds": round(seconds, 3),
+        "summary": f"{args.library}: {new} new entries from {dataset.name} ({len(deposited) - new} already there, "
+        f"{len(refused)} refused because their answer is not the key's); {len(library.entries)} entries, "
+        f"{library.stored_tokens} stored tokens" + (f"; {published} entries published to {args.registry}" if args.registry else ""),
+    }
+
+
+# --- ask -------------------------------------------------------------------------------------------
+
+
+def _open_library(args: argparse.Namespace) -> Library:
+    """The library of ``--library``, every artifact it grafts verified against the trust options."""
+    from kvgraft.engine import Library, read_meta
+
+    meta = read_meta(args.library)
+    trust = resolve_trust(args)  # refused before any model is loaded
+    model, profile = model_and_profile(meta["model"], meta["profile"])
+    return Library.open(args.library, model, profile, trusted=trust.keys, insecure_skip_verify=trust.skip)
+
+
+def _cmd_ask(args: argparse.Namespace) -> dict[str, Any]:
+    from kvgraft.engine import read_text
+
+    question = args.question
+    if question is None:
+        question = read_text(args.question_file, what="question file")
+    if not question.strip():
+        raise CliError("the question is empty", hint="pass --question TEXT or --question-file PATH")
+    library = _open_library(args)
+    answer = library.ask(question, max_new_tokens=args.max_new_tokens)
+    result = answer.to_json()
+    result["summary"] = (
+        f"answer: {answer.answer} ({answer.method} entry {answer.entry}; {answer.prompt_tokens} prompt + "
+        f"{answer.decode_tokens} decode tokens on {answer.context_tokens - answer.prompt_tokens} grafted; "
+        f"{answer.seconds:.3f} s; {answer.energy_joules:.3g} J {answer.energy_method})"
+    )
+    return result
+
+
+# --- eval ------------------------------------------------------------------------------------------
+
+
+def _cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
+    from kvgraft.engine import SKIPPED, run_eval
+
+    library = None
+    if args.library is not None:
+        library = _open_library(args)
+        if library.model.spec.name != args.model:
+            raise CliError(f"the library holds {library.model.spec.name} state, not {args.model}",
+                           hint=f"pass --model {library.model.spec.name}")
+        model, profile = library.model, library.profile
+    else:
+        model, profile = model_and_profile(args.model, args.profile)
+    key, passphrase, _ = signing_key(args)
+
+    def item(n: int, total: int, it: EvaluationItem) -> None:
+        progress(not args.json, f"eval {n + 1}/{total}: doc {it.doc_id} answer {it.extracted_answer} "
+                 f"{'correct' if it.correct else 'wrong'} ({it.decode_tokens} decode tokens)")
+
+    run = run_eval(model, profile, args.dataset, args.out, key=key, library=library, max_new_tokens=args.max_new_tokens,
+                   limit=args.limit, seed=args.seed, passphrase=passphrase, on_item=item)
+    a = run.statement.predicate.aggregates
+    signature = None if library is None else SKIPPED if library.insecure_skip_verify else "verified"
+    return {
+        "record": str(args.out), "items": a.items, "correct": a.correct, "accuracy": a.accuracy, "signature": signature,
+        "prompt_tokens": a.prompt_tokens, "decode_tokens": a.decode_tokens, "seconds": round(run.seconds, 3),
+        "energy_joules": run.energy_joules, "energy_method": run.energy_method,
+        "summary": f"{args.out}: {a.correct}/{a.items} correct ({a.accuracy:.3f}); {a.prompt_tokens} prompt and "
+        f"{a.decode_tokens} decode tokens; {run.seconds:.1f} s; {run.energy_joules:.3g} J {run.energy_method}",
+    }
+
+
+# --- pre-registration and replay -------------------------------------------------------------------
+
+
+def _cmd_prereg(args: argparse.Namespace) -> dict[str, Any]:
+    from kvgraft.engine import write_pre_registration
+
+    key, passphrase, _ = signing_key(args)
+    statement = write_pre_registration(args.eval, args.out, dataset_path=args.dataset, library=args.library,
+                                       key=key, passphrase=passphrase)
+    result: dict[str, Any] = {"pre_registration": str(args.out), "command": statement.predicate.command,
+                              "expected_outputs": len(statement.predicate.expected_output_hashes)}
+    line = f"{args.out}: pre-registered {' '.join(statement.predicate.command)} with {result['expected_outputs']} expected outputs"
+    if args.registry:
+        with registry_session(args, token_required=True) as (client, _):
+            from kvgraft.registry.client import publish
+
+            published = publish(client, args.out, registry_key_file=args.registry_key)
+        result["log_index"] = published.log_index
+        line += f"; logged as entry {published.log_index} of {args.registry}"
+    result["summary"] = line
+    return result
+
+
+def _cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
+    from kvgraft.engine import SKIP_WARNING, run_replay
+
+    key, passphrase, _ = signing_key(args)
+    # The replayed eval loads the library in a fresh process: it gets the same trust options.
+    trust_args = [*(["--trusted-keys", str(args.trusted_keys.resolve())] if args.trusted_keys else []),
+                  *(["--trust-local-key"] if args.trust_local_key else []),
+                  *(["--insecure-skip-verify"] if args.insecure_skip_verify else [])]
+    if args.insecure_skip_verify:
+        sys.stderr.write(f"kvgraft: {SKIP_WARNING}\n")
+    try:
+        prereg_envelope = (args.pre_registration / RECORD_FILE).read_bytes()
+    except OSError as e:
+        raise CliError(f"cannot read {args.pre_registration}/record.dsse.json: {e.strerror}",
+                       hint="pass the directory 'kvgraft prereg' wrote") from e
+    with registry_session(args, token_required=True) as (client, reg_key):
+        from kvgraft.registry.client import publish
+        from kvgraft.registry.report import log_index_of, write_log_proofs
+
+        # The pre-registration must be in the log before the replay runs: that is its point.
+        prereg_index = log_index_of(client, prereg_envelope)
+        statement = run_replay(args.pre_registration, args.out, log_index=prereg_index, key=key, passphrase=passphrase,
+                               trust_args=trust_args)
+        published = publish(client, args.out, registry_key_file=args.registry_key)
+        # Beside the replay, not in it: the record directory holds only its subjects and log.json.
+        checkpoint = args.checkpoint_out or args.out.with_name(args.out.name + ".checkpoint.txt")
+        proven = write_log_proofs(client, reg_key, [args.pre_registration, args.out], checkpoint)
+    p = statement.predicate
+    return {
+        "replay": str(args.out), "reproduced": p.reproduced, "outputs": len(p.output_hashes),
+        "pre_registration_log_index": prereg_index, "replay_log_index": published.log_index, "tree_size": proven.tree_size,
+        "checkpoint": str(checkpoint),
+        "summary": f"{args.out}: replay {'reproduced' if p.reproduced else 'DID NOT reproduce'} all "
+        f"{len(p.output_hashes)} pre-registered outputs; pre-registration entry {prereg_index}, replay entry "
+        f"{published.log_index}; proofs at tree size {proven.tree_size} in log.json, checkpoint in {checkpoint}",
+    }
+
+
+# --- wiring ----------------------------------------------------------------------------------------
+
+
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``library deposit``, ``ask``, ``eval``, ``prereg`` and ``replay`` to ``kvgraft``'s subcommands."""
+    lib = sub.add_parser("library", help="a knowledge library of verified worked solutions")
+    lsub = lib.add_subparsers(dest="library_command", required=True, metavar="ACTION")
+    dep = add_command(lsub, "deposit", _cmd_deposit, extra=ENGINE,
+                      help="capture verified (problem, solution) pairs as library entries")
+    dep.add_argument("--model", required=True)
+    dep.add_argument("--dataset", type=Path, required=True, help="JSONL problems with their answer key")
+    dep.add_argument("--library", type=Path, required=True, help="the library directory (created when new)")
+    dep.add_argument("--solutions", type=Path, help='JSONL of {"doc_id", "solution"} (default: the dataset\'s own)')
+    dep.add_argument("--solutions-from-key", action="store_true",
+                     help="for datasets without worked solutions: store the key's answer as the solution")
+    dep.add_argument("--limit", type=int, help="deposit only the first N problems (or N drawn with --seed)")
+    dep.add_argument("--seed", type=int)
+    add_profile_option(dep)
+    add_key_options(dep)
+    add_trust_options(dep)
+    add_registry_options(dep, required=False)
+
+    ask = add_command(sub, "ask", _cmd_ask, extra=ENGINE,
+                      help="answer a question from a library (graft the entry, decode what is missing)")
+    ask.add_argument("--library", type=Path, required=True)
+    q = ask.add_mutually_exclusive_group(required=True)
+    q.add_argument("--question", help="the question text")
+    q.add_argument("--question-file", type=Path)
+    ask.add_argument("--max-new-tokens", type=int, default=256, help="budget for a new problem (a recall stops at 16)")
+    add_trust_options(ask)
+
+    ev = add_command(sub, "eval", _cmd_eval, extra=ENGINE,
+                     help="evaluate on a dataset (base model, or from a library); writes a signed record")
+    ev.add_argument("--model", required=True)
+    ev.add_argument("--dataset", type=Path, required=True)
+    ev.add_argument("--out", type=Path, required=True, help="the record directory to create")
+    ev.add_argument("--library", type=Path, help="answer from this library")
+    ev.add_argument("--max-new-tokens", type=int, default=256)
+    ev.add_argument("--limit", type=int, help="the first N problems (or N drawn with --seed)")
+    ev.add_argument("--seed", type=int, help="draw --limit problems with this seed")
+    add_profile_option(ev)
+    add_trust_options(ev)
+    add_key_options(ev)
+
+    pr = add_command(sub, "prereg", _cmd_prereg, extra=ENGINE,
+                     help="pre-register the replay of an evaluation (and log it)")
+    pr.add_argument("--eval", type=Path, required=True, help="the evaluation record directory to reproduce")
+    pr.add_argument("--dataset", type=Path, required=True)
+    pr.add_argument("--library", type=Path, help="the library the evaluation used")
+    pr.add_argument("--out", type=Path, required=True)
+    add_key_options(pr)
+    add_registry_options(pr, required=False)
+
+    rp = add_command(sub, "replay", _cmd_replay, extra=ENGINE,
+                     help="run a logged pre-registration in a fresh process and publish the replay record")
+    rp.add_argument("--pre-registration", type=Path, required=True)
+    rp.add_argument("--out", type=Path, required=True)
+    rp.add_argument("--checkpoint-out", type=Path, help="where the signed checkpoint goes (default: OUT.checkpoint.txt)")
+    add_key_options(rp)
+    add_trust_options(rp)
+    add_registry_options(rp, required=True)

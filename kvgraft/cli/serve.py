@@ -1,0 +1,229 @@
+"""The registry's own ``kvgraft`` subcommands: ``serve``, ``token``, ``key`` and ``fsck`` (the admin side).
+
+Importing this module imports neither litestar nor duckdb: each command loads what it needs from
+``kvgraft.registry`` when it runs, so the rest of ``kvgraft`` works without the ``registry`` extra.
+A registry failure is its own ``RegistryError`` subclass, reported by its real class name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvgraft.registry import RegistrySettings
+
+from ._common import REGISTRY, CliError, Command, add_command
+
+#: A public key PEM is a few hundred bytes.
+_MAX_KEY_FILE = 64 * 1024
+
+#: The defaults of ``kvgraft serve``'s options are the settings' own.
+_DEFAULTS = RegistrySettings()
+
+_PUB_HINT = "pass the .pub file 'kvgraft keys generate' wrote"
+
+
+def _read_pem(path: Path) -> str:
+    try:
+        if path.stat().st_size > _MAX_KEY_FILE:
+            raise CliError(f"{path} is larger than a public key file can be", hint=_PUB_HINT)
+        return path.read_text(encoding="ascii")
+    except FileNotFoundError as e:
+        raise CliError(f"public key file {path} does not exist", hint=_PUB_HINT) from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"cannot read public key file {path}: {e}", hint="pass a PEM public key file") from e
+
+
+# --- serve ---------------------------------------------------------------------------------------
+
+
+def _cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
+    from kvgraft.registry import serve
+
+    try:
+        settings = RegistrySettings(
+            origin=args.origin,
+            max_blob_bytes=args.max_blob_bytes,
+            max_envelope_bytes=args.max_envelope_bytes,
+            reads_require_token=args.reads_require_token,
+            rate_limit=args.rate_limit,
+            rate_burst=args.rate_burst,
+            max_search_terms=args.max_search_terms,
+            max_query_length=args.max_query_length,
+            max_signatures=args.max_signatures,
+            max_header_bytes=args.max_header_bytes,
+            max_header_count=args.max_header_count,
+            max_lineage_depth=args.max_lineage_depth,
+            max_json_depth=args.max_json_depth,
+            public_url=args.public_url,
+            scrub_interval=args.scrub_interval,
+            verify_on_read_bytes=args.verify_on_read_bytes,
+        )
+    except ValueError as e:
+        raise CliError(str(e), hint="pass positive sizes and counts, a rate limit >= 0, a burst >= 1 and a scrub interval >= 0") from e
+    started = serve(args.data, host=args.host, port=args.port, settings=settings, log_level=args.log_level)
+    if not started:
+        raise CliError(f"the registry server on {args.host}:{args.port} did not start", hint="see the log above (is the port in use?)")
+    return {"data": str(args.data), "summary": f"registry server for {args.data} stopped"}
+
+
+# --- key -----------------------------------------------------------------------------------------
+
+
+def _cmd_key_add(args: argparse.Namespace) -> dict[str, Any]:
+    from kvgraft.registry import admin_session
+
+    pem = _read_pem(args.public_key)
+    with admin_session(args.data, create=True) as (admin, via):
+        result = admin.add_key(args.publisher, pem)
+    what = "registered" if result["created"] else "was already registered"
+    return {**result, "via": via, "summary": f"key {result['keyid']} {what} for publisher {result['publisher']}"}
+
+
+def _cmd_key_list(args: argparse.Namespace) -> dict[str, Any]:
+    from kvgraft.registry import admin_session
+
+    with admin_session(args.data, create=False) as (admin, via):
+        keys = admin.list_keys()
+    lines = [f"{'PUBLISHER':<20} {'KEYID':<64} CREATED"]
+    lines += [f"{k['publisher']:<20} {k['keyid']:<64} {k['created_at']}" for k in keys]
+    return {"keys": keys, "via": via, "summary": "\n".join(lines) if keys else "no keys are registered"}
+
+
+# --- token ---------------------------------------------------------------------------------------
+
+
+def _cmd_token_create(args: argparse.Namespace) -> dict[str, Any]:
+    from kvgraft.registry import admin_session
+
+    pems = [_read_pem(p) for p in args.key]
+    with admin_session(args.data, create=True) as (admin, via):
+        result = admin.create_token(args.publisher, pems)
+    registered = result.get("registered_keys") or []
+    note = f"; registered key(s) {', '.join(registered)} for {result['publisher']}" if registered else ""
+    return {
+        **result,
+        "via": via,
+        "summary": f"token {result['token_id']} for publisher {result['publisher']}, bound to "
+        f"{', '.join(result['keyids'])}{note}\n{result['token']}\n"
+        "(this is the only time the token is shown: store it now)",
+    }
+
+
+def _cmd_token_list(args: argparse.Namespace) -> dict[str, Any]:
+    from kvgraft.registry import admin_session
+
+    with admin_session(args.data, create=False) as (admin, via):
+        tokens = admin.list_tokens()
+    lines = [f"{'TOKEN ID':<17} {'PUBLISHER':<20} {'CREATED':<21} {'REVOKED':<21} KEYS"]
+    lines += [
+        f"{t['token_id']:<17} {t['publisher']:<20} {t['created_at']:<21} {t['revoked_at'] or '-':<21} "
+        + ",".join(k[:16] for k in t["keyids"])
+        for t in tokens
+    ]
+    return {"tokens": tokens, "via": via, "summary": "\n".join(lines) if tokens else "no tokens exist"}
+
+
+def _cmd_token_revoke(args: argparse.Namespace) -> dict[str, Any]:
+    from kvgraft.registry import admin_session
+
+    with admin_session(args.data, create=False) as (admin, via):
+        result = admin.revoke_token(args.token_id)
+    when = "now" if result["changed"] else f"already, at {result['revoked_at']}"
+    applies = "from the server's next request on" if via == "server" else "(the server was not running)"
+    return {**result, "via": via, "summary": f"token {result['token_id']} of {result['publisher']} revoked {when} {applies}"}
+
+
+# --- fsck ----------------------------------------------------------------------------------------
+
+
+def _cmd_fsck(args: argparse.Namespace) -> dict[str, Any]:
+    from kvgraft.registry import fsck
+
+    report = fsck(args.data, quarantine=not args.no_quarantine)
+    doc = {**report.document(), "summary": report.summary()}
+    if report.ok:
+        return doc
+    if not args.json:
+        # The one-line failure names at most a few things; people get every one on stdout.
+        sys.stdout.write(report.summary() + "\n")
+    moved = " (quarantined: no longer served)" if report.quarantined else ""
+    raise CliError(
+        f"fsck found {len(report.damaged)} damaged thing(s) in {args.data}{moved}: {report.names()}",
+        hint="upload a damaged blob's right bytes again (PUT /v1/blobs/sha256:<hex>, or 'kvgraft publish') to repair it; "
+        "a damaged entry, checkpoint or log means restoring registry.duckdb from a backup",
+        result=doc,  # kvgraft --json prints the whole report with the failure
+    )
+
+
+# --- wiring --------------------------------------------------------------------------------------
+
+
+def _data_command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, command: Command,
+                  help: str) -> argparse.ArgumentParser:
+    """A command over a registry data directory (``--data DIR``)."""
+    p = add_command(sub, name, command, help=help, extra=REGISTRY)
+    p.add_argument("--data", type=Path, required=True, metavar="DIR", help="the registry's data directory")
+    return p
+
+
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``serve``, ``token``, ``key`` and ``fsck`` to ``kvgraft``'s subcommands."""
+    d = _DEFAULTS
+    serve = _data_command(sub, "serve", _cmd_serve,
+                          help="run the registry server (Litestar under uvicorn) over a data directory")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument("--origin", help="the log's name in its checkpoints; fixed at first start (default: from the registry key)")
+    serve.add_argument("--max-blob-bytes", type=int, default=d.max_blob_bytes, metavar="N", help="largest blob accepted")
+    serve.add_argument("--max-envelope-bytes", type=int, default=d.max_envelope_bytes, metavar="N",
+                       help="largest envelope accepted")
+    serve.add_argument("--reads-require-token", action="store_true", help="refuse reads without a valid token")
+    serve.add_argument("--rate-limit", type=float, default=d.rate_limit, metavar="PER_S",
+                       help=f"requests per second each token may make on average; 0: no limit (default {d.rate_limit:g})")
+    serve.add_argument("--rate-burst", type=int, default=d.rate_burst, metavar="N",
+                       help=f"requests each token may make at once (default {d.rate_burst})")
+    for flag, default, what in (
+        ("--max-search-terms", d.max_search_terms, "words per search query (q=)"),
+        ("--max-query-length", d.max_query_length, "characters in a search query"),
+        ("--max-signatures", d.max_signatures, "signatures per posted envelope (more: 413)"),
+        ("--max-header-bytes", d.max_header_bytes, "bytes of request line and headers (more: 431)"),
+        ("--max-header-count", d.max_header_count, "request headers (more: 431)"),
+        ("--max-lineage-depth", d.max_lineage_depth, "parent chain length accepted and walked"),
+        ("--max-json-depth", d.max_json_depth, "nesting depth of posted JSON"),
+    ):
+        serve.add_argument(flag, type=int, default=default, metavar="N", help=f"{what} (default {default})")
+    serve.add_argument("--verify-on-read-bytes", type=int, default=d.verify_on_read_bytes, metavar="N",
+                       help="re-hash blobs up to this size each time they are served; 0: never "
+                       f"(default {d.verify_on_read_bytes})")
+    serve.add_argument("--scrub-interval", type=float, default=d.scrub_interval, metavar="SECONDS",
+                       help=f"re-hash every stored blob this often in the background; 0: never (default {d.scrub_interval:g})")
+    serve.add_argument("--public-url", metavar="URL",
+                       help="this registry's public base URL, used in the commands its pages show (default: the listening address)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+    token = sub.add_parser("token", help="create, list and revoke publishing tokens")
+    tsub = token.add_subparsers(dest="token_command", required=True, metavar="ACTION")
+    create = _data_command(tsub, "create", _cmd_token_create,
+                           help="make a bearer token for a publisher, bound to its keys (shown once)")
+    create.add_argument("--publisher", required=True, help="the publisher's name")
+    create.add_argument("--key", type=Path, action="append", required=True, metavar="PUBKEY.pem",
+                        help="a public key the token may publish under (repeat); registered for the publisher if new")
+    _data_command(tsub, "list", _cmd_token_list, help="list tokens (ids, publishers, keys; never the tokens)")
+    revoke = _data_command(tsub, "revoke", _cmd_token_revoke, help="revoke a token at once")
+    revoke.add_argument("token_id", metavar="TOKEN_ID", help="the token's id (tok_...), from 'kvgraft token list'")
+
+    key = sub.add_parser("key", help="register and list publishers' public keys")
+    ksub = key.add_subparsers(dest="key_command", required=True, metavar="ACTION")
+    add = _data_command(ksub, "add", _cmd_key_add, help="register a publisher's Ed25519 public key")
+    add.add_argument("--publisher", required=True, help="the publisher's name (created if new)")
+    add.add_argument("--public-key", type=Path, required=True, metavar="PEM", help="the public key file")
+    _data_command(ksub, "list", _cmd_key_list, help="list registered keys")
+
+    check = _data_command(sub, "fsck", _cmd_fsck,
+                          help="check a stopped registry's data directory: re-hash every blob (quarantining bad ones), "
+                          "check entries, log leaves and roots; exit 1 naming what is damaged")
+    check.add_argument("--no-quarantine", action="store_true",
+                       help="only report damaged blobs; leave them in place (and served)")

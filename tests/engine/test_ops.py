@@ -1,0 +1,128 @@
+"""The graft path on tiny-llama-test: the one greedy decode loop (each of its stopping rules, EOS
+kept or dropped), ``continue_from`` as the one restore-extend-decode, and the shifted restore
+re-rotating every layer's keys with the graft kernels' RoPE reference (and the Triton kernel,
+under ``TRITON_INTERPRET=1``, giving the same bits)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvgraft.engine import KVState, LoadedArtifact, LoadedModel, applied, capture, generate, load_artifact, trust_signer
+from kvgraft.engine._internal.kvstate import _rotation
+from kvgraft.engine._internal.ops import Decoded, continue_from, greedy_decode
+from kvgraft.engine.kernels import rerotate, rerotate_reference, triton_available
+from kvgraft.schemas import DeterminismProfile
+
+PROMPT = "Hello, world. The quick brown fox"
+
+
+def _prompt(model: LoadedModel, profile: DeterminismProfile) -> tuple[KVState, torch.Tensor]:
+    state = KVState(model)
+    with applied(profile):
+        logits = state.extend(model.tokenizer.encode(PROMPT, first=True), keep_last=1)
+    return state, logits
+
+
+def _decode(model: LoadedModel, profile: DeterminismProfile, **kwargs: Any) -> tuple[Decoded, int]:
+    """Decode after PROMPT; also how many decoded tokens were run on the state."""
+    state, logits = _prompt(model, profile)
+    start = state.end
+    with applied(profile):
+        decoded = greedy_decode(state, logits, **kwargs)
+    return decoded, state.end - start
+
+
+@pytest.fixture()
+def artifact(tiny: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path) -> LoadedArtifact:
+    capture(tiny, profile, PROMPT, tmp_path / "a", key=key)
+    return load_artifact(tmp_path / "a", tiny, profile, trusted=trust_signer(key))
+
+
+def test_budget_ends_decoding_after_running_every_token(tiny: LoadedModel, profile: DeterminismProfile) -> None:
+    decoded, ran = _decode(tiny, profile, max_new_tokens=6, keep_eos=False)
+    assert decoded.stopped_by == "max_new_tokens" and len(decoded.tokens) == 6 and ran == 6
+    assert decoded.text == tiny.tokenizer.decode(decoded.tokens)
+    none, ran = _decode(tiny, profile, max_new_tokens=0, keep_eos=False)
+    assert (none.tokens, none.text, none.stopped_by, ran) == ([], "", "max_new_tokens", 0)
+
+
+def test_eos_ends_decoding_kept_or_dropped(
+    tiny: LoadedModel, profile: DeterminismProfile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    free, _ = _decode(tiny, profile, max_new_tokens=8, keep_eos=False)
+    # The seeded model never says its EOS in 8 tokens: name its third token the EOS instead.
+    monkeypatch.setattr(tiny.tokenizer, "eos_token_id", free.tokens[2])
+    kept, ran_kept = _decode(tiny, profile, max_new_tokens=8, keep_eos=True)
+    dropped, ran_dropped = _decode(tiny, profile, max_new_tokens=8, keep_eos=False)
+    assert kept.stopped_by == dropped.stopped_by == "eos"
+    assert kept.tokens == free.tokens[:3] and dropped.tokens == free.tokens[:2]
+    assert ran_kept == ran_dropped == 2  # the EOS itself never runs
+    assert dropped.text == tiny.tokenizer.decode(free.tokens[:2])
+
+
+def test_stop_ends_decoding_on_the_text_so_far(tiny: LoadedModel, profile: DeterminismProfile) -> None:
+    seen: list[str] = []
+
+    def stop(text: str) -> bool:
+        seen.append(text)
+        return len(seen) == 3
+
+    decoded, ran = _decode(tiny, profile, max_new_tokens=8, keep_eos=False, stop=stop)
+    assert decoded.stopped_by == "stop" and len(decoded.tokens) == 3 and ran == 2
+    assert seen[-1] == decoded.text
+
+
+def test_window_ends_decoding_with_a_token_never_run(tiny: LoadedModel, profile: DeterminismProfile) -> None:
+    # The same weights behind a 40-position window.
+    small = dataclasses.replace(tiny, spec=dataclasses.replace(tiny.spec, window=40))
+    state, logits = _prompt(small, profile)
+    start = state.end
+    with applied(profile):
+        decoded = greedy_decode(state, logits, max_new_tokens=20, keep_eos=False)
+    assert decoded.stopped_by == "window" and state.end == 40
+    assert len(decoded.tokens) == 40 - start + 1
+
+
+def test_continue_from_is_generate_and_the_library_decode(
+    tiny: LoadedModel, profile: DeterminismProfile, artifact: LoadedArtifact
+) -> None:
+    ids = tiny.tokenizer.encode(" jumps", first=False)
+    result = generate(tiny, profile, artifact, " jumps", 12)
+    every_row = continue_from(tiny, profile, artifact, ids, max_new_tokens=12, keep_eos=True, keep_last=None)
+    assert result["tokens"] == every_row.tokens and result["text"] == every_row.text
+    # By hand: restore, extend, decode; and from an empty state, the prompt run whole.
+    with applied(profile):
+        state = KVState.restore(tiny, artifact.segments())
+        by_hand = greedy_decode(state, state.extend(ids, keep_last=1), max_new_tokens=12, keep_eos=False)
+        empty = KVState(tiny)
+        whole = tiny.tokenizer.encode(PROMPT + " jumps", first=True)
+        from_empty = greedy_decode(empty, empty.extend(whole, keep_last=1), max_new_tokens=12, keep_eos=False)
+    assert continue_from(tiny, profile, artifact, ids, max_new_tokens=12, keep_eos=False) == by_hand
+    assert continue_from(tiny, profile, None, whole, max_new_tokens=12, keep_eos=False) == from_empty
+
+
+@pytest.mark.parametrize("shift", [3, -2, 517])
+def test_shifted_restore_rerotates_keys_with_the_kernels_reference(
+    tiny: LoadedModel,
+    profile: DeterminismProfile,
+    artifact: LoadedArtifact,
+    shift: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    own = KVState.restore(tiny, artifact.segments())
+    moved = KVState.restore(tiny, artifact.segments(), shift=shift)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for i, (a, b) in enumerate(zip(own.cache.layers, moved.cache.layers, strict=True)):
+        cos, sin = _rotation(tiny, i, shift)  # [1, 1, 1, d]
+        assert torch.equal(b.keys, rerotate_reference(a.keys, cos, sin)) and torch.equal(b.values, a.values)
+        # The formula with the model's [1, 1, 1, d] angles broadcast, as the engine wrote it before.
+        half = a.keys.shape[-1] // 2
+        assert torch.equal(b.keys, a.keys * cos + torch.cat([-a.keys[..., half:], a.keys[..., :half]], dim=-1) * sin)
+        if triton_available():
+            assert torch.equal(b.keys, rerotate(a.keys, cos, sin, backend="triton"))
+    assert moved.shift == shift and moved.token_ids == own.token_ids
