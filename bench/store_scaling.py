@@ -39,11 +39,8 @@ TEST = ROOT / "data" / "datasets" / "gsm8k_test.jsonl"
 
 
 def _library_class() -> Any:
-    # The library is public as kvgraft.engine.Library once exported; until then its module.
-    try:
-        from kvgraft.engine import Library  # type: ignore[attr-defined]
-    except ImportError:
-        from kvgraft.engine._internal.library import Library
+    from kvgraft.engine import Library
+
     return Library
 
 
@@ -119,8 +116,7 @@ def measure(library_dir: Path, model_name: str, lookups: int, threads: int) -> d
 
 def grow(model_name: str, target_tokens: int, checkpoints: list[int], lookups: int, work: Path, threads: int) -> dict[str, Any]:
     """Deposit until ``target_tokens`` are stored, measuring in a fresh process at each checkpoint."""
-    from kvgraft.engine import ensure_local_key, load_model
-    from kvgraft.engine._internal.library import clean_solution
+    from kvgraft.engine import clean_solution, ensure_local_key, load_model
     from kvgraft.verifier import load_dataset
 
     library_cls = _library_class()

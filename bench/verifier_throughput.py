@@ -28,8 +28,8 @@ from typing import Any
 
 from common import QUICK, ROOT, figure, median, say, write_result
 
-from kvgraft.engine import STATEMENT_FILE, capture, current_profile, load_model
-from kvgraft.schemas import parse_statement
+from kvgraft.engine import capture, current_profile, load_model
+from kvgraft.schemas import KV_FILE, STATEMENT_FILE, TRUSTED_KEYS_FILE, parse_statement
 from kvgraft.verifier import (
     b64decode_any,
     load_trusted_keys,
@@ -48,7 +48,7 @@ def make_key(work: Path) -> tuple[Path, Path]:
     """An Ed25519 key and a trusted-keys file naming it, made with the kvgraft CLI."""
     key = work / "bench.pem"
     subprocess.run([str(BIN / "kvgraft"), "keys", "generate", "--out", str(key)], check=True, stdout=subprocess.DEVNULL)
-    trusted = work / "trusted-keys.json"
+    trusted = work / TRUSTED_KEYS_FILE
     subprocess.run([str(BIN / "kvgraft"), "keys", "trust", "--file", str(trusted), "--name", "bench", "--public-key", f"{key}.pub"],
                    check=True, stdout=subprocess.DEVNULL)
     return key, trusted
@@ -70,7 +70,7 @@ def artifacts_per_second(work: Path, key: Path, trusted_path: Path, count: int, 
         out = work / "arts" / f"a{i:05d}"
         capture(model, profile, f"Fact {i}: the number {i * 7919 % 10007} is written down here for the benchmark.", out, key=key)
         dirs.append(out)
-    size = sum((d / "kv.safetensors").stat().st_size for d in dirs) / count
+    size = sum((d / KV_FILE).stat().st_size for d in dirs) / count
     trusted = load_trusted_keys(trusted_path)
     rates = []
     for _ in range(runs):

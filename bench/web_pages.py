@@ -34,6 +34,8 @@ from kvgraft.registry._internal.entries import decode_envelope, index_statement,
 from kvgraft.registry._internal.log import hash_leaf
 from kvgraft.registry._internal.service import Registry
 from kvgraft.schemas import (
+    KV_FILE,
+    OUTPUTS_FILE,
     DatasetRef,
     DeterminismProfile,
     EvaluationAggregates,
@@ -164,7 +166,7 @@ def _artifact(i: int, parent: tuple[bytes, KvArtifactStatement] | None, model: s
     start = parent[1].predicate.positions.end if parent else 0
     ids = [len(w) for w in text.split()]
     statement = KvArtifactStatement(
-        subject=[_subject("kv.safetensors", tensors)],
+        subject=[_subject(KV_FILE, tensors)],
         predicate=KvArtifactPredicate(
             model=_model(model), tokenizer_digest=sha256_bytes(b"tok"), profile=_profile(),
             parent=sha256_bytes(parent[0]) if parent else None, chain_key=sha256_bytes(tensors + b"chain"),
@@ -218,7 +220,7 @@ def _evaluation(n: int, items: int, dataset_digest: str, library: str) -> tuple[
     ]
     correct = sum(r.correct for r in rows)
     statement = EvaluationStatement(
-        subject=[_subject("outputs.jsonl", outputs)],
+        subject=[_subject(OUTPUTS_FILE, outputs)],
         predicate=EvaluationPredicate(
             model=_model("smollm2-135m"), profile=_profile(), dataset=DatasetRef(name="gsm8k_test.jsonl", digest=dataset_digest),
             settings={"max_new_tokens": 64}, items=rows,

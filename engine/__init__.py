@@ -13,7 +13,6 @@ from ._internal.artifacts import (
     LoadedArtifact,
     ensure_local_key,
     load_artifact,
-    local_key_path,
     logits_digest,
     read_statement,
 )
@@ -61,6 +60,7 @@ from ._internal.trust import (
     TRUSTED_KEYS_ENV,
     Trust,
     home_trusted_keys_path,
+    local_key_path,
     local_public_key_path,
     resolve_trust,
     trust_signer,

@@ -55,10 +55,9 @@ def run(args: list[str], **kw: Any) -> dict[str, Any]:
 
 def evaluation(record: Path) -> dict[str, Any]:
     """The predicate of a signed evaluation record (read only; kvgraft-verify checks it)."""
-    import base64
+    from kvgraft.schemas import RECORD_FILE, payload_unverified
 
-    env = json.loads((record / "record.dsse.json").read_text())
-    return json.loads(base64.b64decode(env["payload"]))["predicate"]
+    return json.loads(payload_unverified((record / RECORD_FILE).read_bytes()))["predicate"]
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:

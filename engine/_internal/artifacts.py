@@ -35,7 +35,6 @@ from kvgraft.schemas import (
     artifact_candidates,
     chain_key,
     hex_of,
-    kvgraft_home,
     remember_artifact,
     sha256_bytes,
     statement_unverified,
@@ -68,7 +67,7 @@ from .kvfile import deserialize, serialize
 from .kvstate import KVState, Segment
 from .models import LoadedModel
 from .profiles import require_same
-from .trust import SKIPPED
+from .trust import SKIPPED, local_key_path, local_public_key_path
 
 _KV_METADATA = {"format": "kvgraft-kv-state/v1"}
 
@@ -81,11 +80,6 @@ def logits_digest(logits: torch.Tensor) -> Sha256Digest:
 # --- keys --------------------------------------------------------------------------------------
 
 
-def local_key_path() -> Path:
-    """The local signing key made once under ``$KVGRAFT_HOME`` for users who pass no ``--key``."""
-    return kvgraft_home() / "keys" / "local.pem"
-
-
 def ensure_local_key() -> tuple[Path, bool]:
     """The local key's path, creating the key on first use; the flag says whether it was made now."""
     path = local_key_path()
@@ -94,7 +88,7 @@ def ensure_local_key() -> tuple[Path, bool]:
     path.parent.mkdir(parents=True, exist_ok=True)
     key = generate_private_key()
     save_private_key(key, path)
-    save_public_key(key.public_key(), path.with_name("local.pem.pub"))
+    save_public_key(key.public_key(), local_public_key_path())
     return path, True
 
 

@@ -34,6 +34,7 @@ from kvgraft.schemas import (
     PreRegistrationStatement,
     ReplayPredicate,
     ReplayStatement,
+    Sha256Hex,
     Statement,
     Subject,
     SubjectDigest,
@@ -199,7 +200,7 @@ def read_record(directory: Path, kind: type[Statement]) -> tuple[bytes, Any]:
     return raw, statement
 
 
-def output_hashes(outputs: bytes, what: str) -> dict[str, str]:
+def output_hashes(outputs: bytes, what: str) -> dict[str, Sha256Hex]:
     """``str(doc_id) -> sha256 hex of the output`` for each line of an outputs file (parsed as
     strictly as the verifier parses it)."""
     try:

@@ -93,7 +93,7 @@ def draw_pairs(model: LoadedModel, samples: int, seed: int, *, min_tokens: int, 
     for i in range(samples):
         target = min_tokens if samples == 1 else min_tokens + (i * (max_tokens - min_tokens)) // (samples - 1)
         j = rng.randrange(len(docs))
-        text, ids = "", []
+        text, ids = "", list[int]()
         while len(ids) < target:
             text += docs[j % len(docs)]
             j += 1
@@ -203,8 +203,8 @@ def summary_table(statement: ExactnessStatement) -> str:
     for s in p.samples:
         rows.append(f"{s.index:>3} {s.prefix_tokens:>6} {s.continuation_tokens:>4} {'yes' if s.bitwise_equal else 'NO':<12} "
                     f"{s.kl_divergence:>12.3e} {s.argmax_agreement:>6.3f}")
-    s = p.summary
-    rows.append(f"{p.model.name} {p.level}{f' (shift {p.shift})' if p.shift else ''}: {s.bitwise_equal}/{s.samples} SHA-256 equal, "
-                f"argmax all-agree {s.argmax_agree_all}/{s.samples}, mean argmax agreement {s.mean_argmax_agreement:.4f}, "
-                f"max KL {s.max_kl_divergence!r}")
+    t = p.summary
+    rows.append(f"{p.model.name} {p.level}{f' (shift {p.shift})' if p.shift else ''}: {t.bitwise_equal}/{t.samples} SHA-256 equal, "
+                f"argmax all-agree {t.argmax_agree_all}/{t.samples}, mean argmax agreement {t.mean_argmax_agreement:.4f}, "
+                f"max KL {t.max_kl_divergence!r}")
     return "\n".join(rows)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from .kernel_errors import ScheduleError
 
@@ -378,7 +378,7 @@ def installed(settings: InvariantSettings) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def scoped_call(module: torch.nn.Module, start: int, rows: int) -> Iterator[dict[str, int]]:
+def scoped_call(module: PreTrainedModel, start: int, rows: int) -> Iterator[dict[str, int]]:
     """For one forward pass of ``module`` over ``rows`` tokens per sequence (times the batch),
     whose first query sits at cache index ``start``.
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..kernels import rerotate_reference
 from . import invariant
@@ -98,7 +98,9 @@ class KVState:
     def export(self, since: int) -> dict[str, torch.Tensor]:
         """The tensors an artifact covering ``[since, end)`` stores (see the module docstring)."""
         tensors: dict[str, torch.Tensor] = {}
-        for i, layer in enumerate(self.cache.layers):
+        for i, layer in enumerate(_layers(self.cache)):
+            if layer.keys is None or layer.values is None:
+                raise ArtifactError(f"layer {i} holds no state to export", hint="run some tokens first")
             if isinstance(layer, DynamicSlidingWindowLayer):
                 tensors[f"layers.{i}.keys"] = layer.keys.clone()
                 tensors[f"layers.{i}.values"] = layer.values.clone()
@@ -120,7 +122,7 @@ class KVState:
         state.shift = shift
         _check_chain(model, chain)
         last = chain[-1]
-        for i, layer in enumerate(state.cache.layers):
+        for i, layer in enumerate(_layers(state.cache)):
             if isinstance(layer, DynamicSlidingWindowLayer):
                 keys, values = last.tensors[f"layers.{i}.keys"], last.tensors[f"layers.{i}.values"]
             else:
@@ -137,6 +139,18 @@ class KVState:
         return state
 
 
+def _layers(cache: DynamicCache) -> list[DynamicLayer]:
+    """The cache's layers, typed: for the architectures kvgraft runs, ``DynamicCache`` builds only
+    ``DynamicLayer`` (full attention) and its subclass ``DynamicSlidingWindowLayer``, never the
+    linear-attention or placeholder layers its ``layers`` list may also hold for other models."""
+    layers = []
+    for i, layer in enumerate(cache.layers):
+        if not isinstance(layer, DynamicLayer):
+            raise TypeError(f"cache layer {i} is a {type(layer).__name__}, which kvgraft cannot export or restore")
+        layers.append(layer)
+    return layers
+
+
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     """The parts concatenated along positions; a single part as it is (the cache never writes
     into its tensors in place: ``update`` concatenates into new ones), so a one-artifact graft
@@ -151,7 +165,7 @@ def _check_chain(model: LoadedModel, chain: list[Segment]) -> None:
     n_layers = config.num_hidden_layers
     kv_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    layer_kinds = DynamicCache(config=config).layers
+    layer_kinds = _layers(DynamicCache(config=config))
     cursor = 0
     for seg in chain:
         if seg.start != cursor:

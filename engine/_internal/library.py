@@ -499,7 +499,8 @@ class Library:
         text = head + decoded.text
         answer = extract_answer(self.meta["kind"], text)
         joules, method = self._energy.stop(len(ids) + len(decoded.tokens))
-        prompt = "".join(a.statement.predicate.source_text.text for a in artifact.chain) + suffix
+        # Every text in the chain is signed and present: prefix() and load_entry() compared them.
+        prompt = "".join(a.statement.predicate.source_text.text or "" for a in artifact.chain) + suffix
         return Answer(
             question=question, answer=answer, text=text, prompt=prompt,
             entry=hit.entry.artifact if hit else None, method=hit.method if hit else "none", score=hit.score if hit else 0.0,

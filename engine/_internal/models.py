@@ -20,15 +20,26 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 # kvgraft_home is re-exported from here for the engine's public surface; it is defined in schemas.
-from kvgraft.schemas import ModelRef, Sha256Digest, canonical_json, kvgraft_home, sha256_bytes, sha256_file
+from kvgraft.schemas import (
+    ModelRef,
+    Sha256Digest,
+    StagedDirectory,
+    canonical_json,
+    kvgraft_home,
+    sha256_bytes,
+    sha256_file,
+)
 
 from .errors import ModelFileError, ModelNotInstalledError, UnknownModelError
 from .tokenizers import ByteTokenizer, HfTokenizer, Tokenizer
+
+if TYPE_CHECKING:  # at run time this module imports transformers only where a model is built
+    from transformers import PreTrainedModel
 
 Architecture = Literal["llama", "gemma3"]
 
@@ -96,7 +107,7 @@ class LoadedModel:
     """A model ready to run: the module, its tokenizer and its identity."""
 
     spec: ModelSpec
-    module: torch.nn.Module
+    module: PreTrainedModel
     tokenizer: Tokenizer
     ref: ModelRef
     tokenizer_digest: Sha256Digest
@@ -209,8 +220,13 @@ def _convert(spec: ModelSpec, progress: bool) -> None:
         sys.stderr.write(f"kvgraft: converting {spec.name} from {gguf.name} once (20-90 s); cached in {final}\n")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
-    try:
+    if final.exists():
+        # A conversion that never completed (no COMPLETE, ensure_cached checked): start again.
+        shutil.rmtree(final)
+    # Written beside the cache and renamed into place only when complete (fsynced), as every
+    # directory kvgraft writes; an error leaves nothing under the final name.
+    with StagedDirectory(final, tag="convert") as stage:
+        tmp = stage.path
         config = model.config.to_dict()
         config.pop("quantization_config", None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -221,12 +237,6 @@ def _convert(spec: ModelSpec, progress: bool) -> None:
         save_file(state, str(tmp / "model.safetensors"))
         tokenizer.save_pretrained(tmp)
         (tmp / "COMPLETE").write_text(spec.gguf_sha256 or "")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def ensure_cached(spec: ModelSpec, *, progress: bool = True) -> Path:
@@ -262,7 +272,7 @@ def _build_tiny() -> LoadedModel:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=spec.window,
-        rope_theta=10000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

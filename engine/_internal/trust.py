@@ -71,9 +71,14 @@ def home_trusted_keys_path() -> Path:
     return kvgraft_home() / TRUSTED_KEYS_FILE
 
 
+def local_key_path() -> Path:
+    """The local signing key made once under ``$KVGRAFT_HOME`` for users who pass no ``--key``."""
+    return kvgraft_home() / "keys" / "local.pem"
+
+
 def local_public_key_path() -> Path:
     """The public half of the local signing key (``$KVGRAFT_HOME/keys/local.pem.pub``)."""
-    return kvgraft_home() / "keys" / "local.pem.pub"
+    return local_key_path().with_name("local.pem.pub")
 
 
 def _merge(base: TrustedKeys | None, extra: TrustedKeys) -> TrustedKeys:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvgraft.verifier import KeyFileError, TrustedKey, keyid_of, parse_public_key, public_key_pem, trusted_key
+from kvgraft.verifier import KeyFileError, KeyId, TrustedKey, keyid_of, parse_public_key, public_key_pem, trusted_key
 
 from .db import Database, now_utc
 from .errors import (
@@ -120,7 +121,7 @@ class Accounts:
 
     # --- tokens ----------------------------------------------------------------------------
 
-    def create_token(self, publisher: str, public_keys: list[str | bytes]) -> dict[str, Any]:
+    def create_token(self, publisher: str, public_keys: Sequence[str | bytes]) -> dict[str, Any]:
         """Make a token for ``publisher`` bound to ``public_keys``; return it (shown only now).
 
         Keys not yet registered are registered for ``publisher``; a key of another publisher
@@ -129,8 +130,8 @@ class Accounts:
         check_publisher(publisher)
         if not public_keys:
             raise BadRequestError("a token must be bound to at least one public key", hint="pass --key PUBKEY.pem")
-        keyids: list[str] = []
-        registered: list[str] = []
+        keyids: list[KeyId] = []
+        registered: list[KeyId] = []
         # Check every key before registering any, so a conflict leaves nothing behind.
         parsed = []
         for i, pem in enumerate(public_keys):

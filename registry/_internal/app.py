@@ -25,11 +25,12 @@ import anyio
 import anyio.to_thread
 from litestar import Litestar, Request, Response, get, head, post, put
 from litestar.connection import ASGIConnection
+from litestar.enums import ScopeType
 from litestar.exceptions import HTTPException, MethodNotAllowedException, NotFoundException, ValidationException
 from litestar.handlers.base import BaseRouteHandler
 from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 from litestar.response import Stream
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from litestar.types import ASGIApp, HTTPScope, Message, Receive, Scope, Send
 from litestar.utils import normalize_path
 from pydantic import BaseModel
 
@@ -140,7 +141,7 @@ def _registry_error(request: Request[Any, Any, Any], exc: RegistryError) -> Resp
         _scrub(request, exc.message, server_side=server_side),
         type_=exc.problem_type,
         instance=request.url.path,
-        hint=_scrub(request, exc.hint, server_side=server_side),
+        hint=_scrub(request, exc.hint, server_side=server_side) if exc.hint is not None else None,
         extra=_scrub_extra(request, exc.extra, server_side=server_side),
         headers=exc.headers(),
     )
@@ -207,7 +208,7 @@ def allowed_methods(app: Litestar, path: str) -> list[str]:
     found: list[str] = []
     for method in _METHODS:
         try:
-            app.asgi_router.handle_routing(path=normalized, method=method)  # type: ignore[arg-type]
+            app.asgi_router.handle_routing(path=normalized, method=method)
         except MethodNotAllowedException:
             continue
         except NotFoundException:
@@ -254,10 +255,11 @@ class HttpEdge:
         self.max_header_count = settings.max_header_count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != ScopeType.HTTP:  # a str enum: equal to the server's plain "http"
             await self.inner(scope, receive, send)
             return
-        headers = scope["headers"]
+        # ASGI gives the headers as an iterable of pairs (servers pass a list); read them once.
+        headers = list(scope["headers"])
         if len(headers) > self.max_header_count:
             await self._refuse(send, scope, HeadersTooLargeError(
                 f"the request has {len(headers)} headers; this registry accepts at most {self.max_header_count}"
@@ -277,7 +279,8 @@ class HttpEdge:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
             if method == "HEAD" and allowed and not self._has_head_handler(scope["path"]):
-                await self.inner({**scope, "method": "GET"}, receive, _headers_only(send))
+                as_get: HTTPScope = {**scope, "method": "GET"}
+                await self.inner(as_get, receive, _headers_only(send))
                 return
         await self.inner(scope, receive, send)
 
@@ -463,7 +466,10 @@ async def head_blob(request: Request[Any, Any, Any], digest: FromPath[str]) -> R
     headers = _blob_headers(hex_digest)
     if none_match(request.headers.get("if-none-match"), headers["ETag"]):
         return Response(content=None, status_code=304, headers=headers)
-    return Response(content=b"", headers={**headers, "Content-Length": str(size)}, media_type="application/octet-stream")
+    # Litestar requires a HEAD handler to be annotated Response[None], yet renders content=None
+    # only for text and JSON media types: the empty bytes are the body it sends (none).
+    return Response(content=b"", headers={**headers, "Content-Length": str(size)},  # type: ignore[arg-type]
+                    media_type="application/octet-stream")
 
 
 @get("/v1/blobs/{digest:path}", guards=[read_guard], summary="Download a blob")

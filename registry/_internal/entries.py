@@ -24,6 +24,7 @@ from kvgraft.schemas import (
     KvArtifactStatement,
     ReplayStatement,
     Statement,
+    hex_of,
 )
 from kvgraft.verifier import (
     BadSignatureError,
@@ -242,7 +243,7 @@ def index_statement(statement: Statement) -> IndexedStatement:
         _check_span(p.positions.start, p.positions.end, len(p.tokens.ids), parent=p.parent, digest=by_name[KV_FILE])
         if p.parent is not None:
             # The parent's tensors: a child is useless without them.
-            required.append(p.parent.removeprefix("sha256:"))
+            required.append(hex_of(p.parent))
             refs.append((p.parent, "parent"))
         artifact = ArtifactFields(
             digest=by_name[KV_FILE],

@@ -60,7 +60,9 @@ def parse_range(header: str | None, size: int) -> list[tuple[int, int]] | None:
 def _tags(header: str) -> list[str]:
     # Entity tags are quoted strings that may contain commas only in theory; split on commas
     # outside quotes to be safe.
-    tags, current, quoted = [], [], False
+    tags: list[str] = []
+    current: list[str] = []
+    quoted = False
     for ch in header:
         if ch == '"':
             quoted = not quoted

@@ -34,6 +34,7 @@ import duckdb
 
 from kvgraft.schemas import DocumentError, parse_json, payload_unverified
 from kvgraft.verifier import (
+    KeyId,
     LogProofError,
     MalformedInputError,
     keyid_of,
@@ -346,7 +347,7 @@ class Registry:
             )
 
     def _append(
-        self, body: bytes, digest: str, payload_type: str, indexed: IndexedStatement, token: TokenInfo, keyids: list[str]
+        self, body: bytes, digest: str, payload_type: str, indexed: IndexedStatement, token: TokenInfo, keyids: list[KeyId]
     ) -> int:
         leaf = hash_leaf(body)
         index = self.log.append(leaf)

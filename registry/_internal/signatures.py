@@ -150,7 +150,7 @@ def _verify_now(envelope_bytes: bytes, publisher: str, key_rows: KeyRows, max_si
     try:
         envelope = parse_envelope(envelope_bytes, source="the stored envelope")
     except VerificationError as e:
-        return SignatureStatus(publisher, False, [], [], e.message, e.hint, registered)
+        return SignatureStatus(publisher, False, [], [], e.message, e.hint or "", registered)
     except RecursionError:
         message = "the stored envelope is nested too deeply to read"
         return SignatureStatus(publisher, False, [], [], message, "", registered)
@@ -170,7 +170,7 @@ def _verify_now(envelope_bytes: bytes, publisher: str, key_rows: KeyRows, max_si
     try:
         verified = verify_envelope(envelope, TrustedKeys(tuple(keys)), threshold=1)
     except VerificationError as e:
-        return SignatureStatus(publisher, False, [], claimed, e.message, e.hint, registered)
+        return SignatureStatus(publisher, False, [], claimed, e.message, e.hint or "", registered)
     signers = [{"name": publisher, "keyid": k.keyid} for k in verified.signers]
     names = ", ".join(short_digest(k.keyid, 16) for k in verified.signers)
     message = (

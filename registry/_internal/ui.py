@@ -15,8 +15,6 @@ address, else ``$REGISTRY``: never the request's ``Host`` header.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import functools
 import hashlib
 import json
@@ -24,7 +22,7 @@ import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 from urllib.parse import quote, urlencode
 
 import anyio.to_thread
@@ -39,11 +37,14 @@ import kvgraft
 from kvgraft.schemas import (
     DocumentError,
     EvaluationStatement,
+    ExactnessSample,
     ExactnessStatement,
     KvArtifactStatement,
     PreRegistrationStatement,
     ReplayStatement,
+    Sha256Digest,
     Statement,
+    payload_unverified,
     statement_unverified,
 )
 from kvgraft.verifier import (
@@ -164,7 +165,8 @@ def _html_error(request: Request[Any, Any, Any], exc: Exception) -> Response[str
     if status >= 500 and isinstance(exc, RegistryError):
         logger.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
         # A server fault may name files; a page never shows where the data lives.
-        message, hint = _without_paths(message), _without_paths(hint)
+        message = _without_paths(message)
+        hint = _without_paths(hint) if hint is not None else None
     headers = exc.headers() if isinstance(exc, RegistryError) else {}
     response = _html(request, "error.html", status=status, title=title, message=message, hint=hint)
     response.headers.update(headers)
@@ -201,13 +203,18 @@ def _statement(envelope_bytes: bytes) -> Statement:
         raise RegistryError(f"a stored envelope cannot be decoded: {e}") from e
 
 
+def _payload_raw(envelope_bytes: bytes) -> Any:
+    """A stored envelope's payload as plain JSON, no signature checked and no model validated;
+    None when it cannot be read."""
+    try:
+        return json.loads(payload_unverified(envelope_bytes, what="stored envelope"))
+    except (DocumentError, ValueError, RecursionError):
+        return None
+
+
 def _payload_json(envelope_bytes: bytes) -> dict[str, Any]:
     # Listings only: a cheap decode without model validation (the detail page validates).
-    try:
-        doc = json.loads(envelope_bytes)
-        value = json.loads(base64.b64decode(doc["payload"]))
-    except (ValueError, KeyError, TypeError, binascii.Error, RecursionError):
-        return {}
+    value = _payload_raw(envelope_bytes)
     return value if isinstance(value, dict) else {}
 
 
@@ -512,12 +519,7 @@ def _read_statement(envelope_bytes: bytes) -> tuple[Statement | None, Any, str |
         problem = e.message
     except RecursionError:
         problem = "the stored statement is nested too deeply to read"
-    try:
-        doc = json.loads(envelope_bytes)
-        raw: Any = json.loads(base64.b64decode(doc["payload"]))
-    except (ValueError, KeyError, TypeError, binascii.Error, RecursionError):
-        raw = None
-    return None, raw, problem
+    return None, _payload_raw(envelope_bytes), problem
 
 
 @get("/artifacts/{digest:str}", guards=[_guard], include_in_schema=False)
@@ -588,12 +590,22 @@ def _dataset(digest: str) -> Dataset | None:
         return None
 
 
+class _Companion(TypedDict):
+    """Another exactness record over the same prefix artifacts, shown beside this one."""
+
+    log_index: int
+    level: str
+    shift: int
+    by_prefix: dict[Sha256Digest, ExactnessSample]
+    label: str
+
+
 def _exactness_context(registry: Registry, entry: dict[str, Any], statement: ExactnessStatement) -> dict[str, Any]:
     p = statement.predicate
     samples = list(p.samples)
     # Other exactness records over the same prefix artifacts at another level (a shifted run
     # beside an own-position one, or the reverse): their figures go beside these.
-    companions = []
+    companions: list[_Companion] = []
     for found in queries.exactness_companions(registry.db, int(entry["log_index"])):
         index = found.log_index
         try:

@@ -10,7 +10,7 @@ import pytest
 
 from kvgraft.verifier.cli import main
 
-from .test_bundles import ACCEPT, Vector, sigstore_vectors
+from .bundle_helpers import ACCEPT, Vector, sigstore_vectors
 
 REJECT_AT_LOAD = [
     "bundle_v3_no_signed_time.txt",
@@ -23,7 +23,7 @@ REJECT_AT_LOAD = [
 
 @pytest.fixture(scope="module")
 def vectors() -> Path:
-    """tests/vectors/sigstore, as in test_bundles.py."""
+    """tests/vectors/sigstore, as in test_bundles_vectors.py."""
     return sigstore_vectors()
 
 
