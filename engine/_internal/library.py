@@ -24,6 +24,7 @@ for an exact hit, the question asked; the entry must be the prefix's child in ``
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -169,6 +170,15 @@ class Entry:
             "problem_hash": self.problem_hash, "problem": self.problem, "answer": self.answer, "artifact": self.artifact,
             "directory": self.directory, "tokens": self.tokens, "doc_index": self.doc_index, "dataset": self.dataset,
         }
+
+
+#: The JSON type of each field of an index line.
+_ENTRY_TYPES: dict[str, type] = {
+    "problem_hash": str, "problem": str, "answer": str, "artifact": str, "directory": str,
+    "tokens": int, "doc_index": int, "dataset": str,
+}
+#: The longest index line read (a line holds one problem's text: far below this).
+MAX_INDEX_LINE_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -519,7 +529,12 @@ def read_meta(directory: Path) -> dict[str, Any]:
     """``library.json``, checked for the fields a library needs."""
     path = directory / LIBRARY_FILE
     try:
-        meta = parse_json(path.read_bytes(), what=str(path))
+        with path.open("rb") as f:
+            raw = f.read(MAX_INDEX_LINE_BYTES + 1)
+        if len(raw) > MAX_INDEX_LINE_BYTES:
+            raise LibraryError(f"{path} is longer than {MAX_INDEX_LINE_BYTES} bytes; it is not a library file",
+                               hint="the library was altered; deposit into a new one")
+        meta = parse_json(raw, what=str(path))
     except DocumentError as e:
         raise LibraryError(f"{path} is not valid JSON: {e}", hint="the library was altered; deposit into a new one") from e
     except FileNotFoundError as e:
@@ -540,12 +555,23 @@ def _read_index(directory: Path) -> Iterator[Entry]:
             f = stack.enter_context(path.open("rb"))
         except OSError as e:
             raise LibraryError(f"cannot read {path}: {e.strerror}") from e
-        for n, line in enumerate(f, 1):
+        for n in itertools.count(1):
+            # One line at a time, each bounded: a line far longer than any entry is not read whole.
+            line = f.readline(MAX_INDEX_LINE_BYTES + 1)
+            if len(line) > MAX_INDEX_LINE_BYTES:
+                raise LibraryError(f"{path} line {n} is longer than {MAX_INDEX_LINE_BYTES} bytes; it is not a library entry",
+                                   hint="the index was altered")
             if not line.endswith(b"\n"):
-                # A deposit interrupted mid-line: the entry's artifact may exist, the line does not count.
+                # A deposit interrupted mid-line (or the end): the entry's artifact may exist, the line does not count.
                 break
             try:
                 obj = parse_json(line, what=f"{path} line {n}")
-                yield Entry(**obj)
+                entry = Entry(**obj)
             except (DocumentError, TypeError) as e:
                 raise LibraryError(f"{path} line {n} is not a library entry: {e}", hint="the index was altered") from e
+            wrong = [name for name, kind in _ENTRY_TYPES.items()
+                     if not isinstance(getattr(entry, name), kind) or isinstance(getattr(entry, name), bool)]
+            if wrong:
+                raise LibraryError(f"{path} line {n} is not a library entry: {', '.join(wrong)} of the wrong type",
+                                   hint="the index was altered")
+            yield entry

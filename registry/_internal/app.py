@@ -28,7 +28,7 @@ from litestar.connection import ASGIConnection
 from litestar.enums import ScopeType
 from litestar.exceptions import HTTPException, MethodNotAllowedException, NotFoundException, ValidationException
 from litestar.handlers.base import BaseRouteHandler
-from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
+from litestar.params import FromPath, FromQuery, QueryParameter
 from litestar.response import Stream
 from litestar.types import ASGIApp, HTTPScope, Message, Receive, Scope, Send
 from litestar.utils import normalize_path
@@ -52,10 +52,11 @@ from kvgraft.schemas import (
 from .accounts import TokenInfo
 from .blobs import BlobScrubber, parse_digest_ref
 from .datadir import AdminHandle, remove_admin_handle, write_admin_handle
-from .entries import kind_of_filter
+from .entries import json_depth_within, kind_of_filter
 from .errors import (
     AdminAuthError,
     BadRequestError,
+    DocumentTooDeepError,
     HeadersTooLargeError,
     NotFoundError,
     PayloadTooLargeError,
@@ -703,14 +704,40 @@ async def list_publishers(request: Request[Any, Any, Any]) -> PublisherList:
 # --- admin (local operator only: authenticated by the secret in DATA/admin.json) ---------------
 
 
-def _admin(request: Request[Any, Any, Any]) -> Registry:
-    header = request.headers.get("authorization") or ""
+def _admin(connection: ASGIConnection[Any, Any, Any, Any]) -> Registry:
+    header = connection.headers.get("authorization") or ""
     scheme, _, secret = header.partition(" ")
-    expected: bytes = request.app.state.admin_secret_hash
+    expected: bytes = connection.app.state.admin_secret_hash
     given = hashlib.sha256(secret.strip().encode("utf-8")).digest()
     if scheme.lower() != "bearer" or not hmac.compare_digest(given, expected):
         raise AdminAuthError("this admin request does not carry the running server's admin secret")
-    return _registry(request)
+    return _registry(connection)
+
+
+async def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """The admin secret, checked before Litestar reads or parses any body a stranger sent."""
+    _admin(connection)
+
+
+#: The most bytes an admin request body may hold (a publisher and a few PEM keys).
+MAX_ADMIN_BODY_BYTES = 1024 * 1024
+
+
+async def _admin_body(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    """The admin request's JSON object, depth-checked before parsing (msgspec recurses without bound)."""
+    body = await request.body()
+    limit = _registry(request).settings.max_json_depth
+    if not json_depth_within(body, limit):
+        raise DocumentTooDeepError(
+            f"the request body nests deeper than {limit} levels (or its brackets do not balance)", extra={"limit": limit}
+        )
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise BadRequestError("the request body is not JSON") from e
+    if not isinstance(data, dict):
+        raise BadRequestError("the request body must be a JSON object")
+    return data
 
 
 def _field(data: dict[str, Any], name: str, kind: type) -> Any:
@@ -720,30 +747,32 @@ def _field(data: dict[str, Any], name: str, kind: type) -> Any:
     return value
 
 
-@get("/v1/admin/keys", include_in_schema=False)
+@get("/v1/admin/keys", guards=[admin_guard], include_in_schema=False)
 async def admin_list_keys(request: Request[Any, Any, Any]) -> dict[str, Any]:
     """Every registered key."""
     return {"keys": await _run(_admin(request).accounts.list_keys)}
 
 
-@post("/v1/admin/keys", include_in_schema=False)
-async def admin_add_key(request: Request[Any, Any, Any], data: JSONBody[dict[str, Any]]) -> Response[dict[str, Any]]:
+@post("/v1/admin/keys", guards=[admin_guard], request_max_body_size=MAX_ADMIN_BODY_BYTES, include_in_schema=False)
+async def admin_add_key(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Register a publisher key: ``{"publisher", "public_key_pem"}``."""
     registry = _admin(request)
+    data = await _admin_body(request)
     result = await _run(registry.accounts.add_key, _field(data, "publisher", str), _field(data, "public_key_pem", str))
     return Response(content=result, status_code=201 if result["created"] else 200)
 
 
-@get("/v1/admin/tokens", include_in_schema=False)
+@get("/v1/admin/tokens", guards=[admin_guard], include_in_schema=False)
 async def admin_list_tokens(request: Request[Any, Any, Any]) -> dict[str, Any]:
     """Every token (never the token itself)."""
     return {"tokens": await _run(_admin(request).accounts.list_tokens)}
 
 
-@post("/v1/admin/tokens", include_in_schema=False)
-async def admin_create_token(request: Request[Any, Any, Any], data: JSONBody[dict[str, Any]]) -> Response[dict[str, Any]]:
+@post("/v1/admin/tokens", guards=[admin_guard], request_max_body_size=MAX_ADMIN_BODY_BYTES, include_in_schema=False)
+async def admin_create_token(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Make a token: ``{"publisher", "public_keys_pem": [...]}``; the response holds it, once."""
     registry = _admin(request)
+    data = await _admin_body(request)
     pems = _field(data, "public_keys_pem", list)
     if not all(isinstance(p, str) for p in pems):
         raise BadRequestError("public_keys_pem must be a list of PEM strings")
@@ -751,7 +780,7 @@ async def admin_create_token(request: Request[Any, Any, Any], data: JSONBody[dic
     return Response(content=result, status_code=201)
 
 
-@post("/v1/admin/tokens/{token_id:str}/revoke", include_in_schema=False, status_code=200)
+@post("/v1/admin/tokens/{token_id:str}/revoke", guards=[admin_guard], include_in_schema=False, status_code=200)
 async def admin_revoke_token(request: Request[Any, Any, Any], token_id: FromPath[str]) -> dict[str, Any]:
     """Revoke a token; it is refused from the next request on."""
     return await _run(_admin(request).accounts.revoke_token, token_id)

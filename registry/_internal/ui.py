@@ -29,6 +29,7 @@ import anyio.to_thread
 from litestar import Request, Response, Router, get
 from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException
+from litestar.file_system import BaseLocalFileSystem
 from litestar.params import FromPath, FromQuery
 from litestar.response import Redirect
 from litestar.static_files import create_static_files_router
@@ -876,6 +877,25 @@ def ui_router() -> Router:
     return pages
 
 
+class _StaticFileSystem(BaseLocalFileSystem):
+    """The local file system, where a name the OS cannot look up is simply absent.
+
+    Litestar answers only ``FileNotFoundError`` with 404; a NUL byte (``ValueError``), a name past
+    NAME_MAX (``ENAMETOOLONG``), a path through a file (``ENOTDIR``) or an unreadable file would be
+    a 500 (or a 401 naming the absolute path): every one is a stranger's URL, so each is a 404.
+    """
+
+    async def info(self, path: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().info(path, **kwargs)
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError) as e:
+            raise FileNotFoundError("no such static file") from e
+
+
 def static_router() -> Router:
     """``/static``: the UI's stylesheet and script, from ``kvgraft.web``."""
-    return create_static_files_router(path="/static", directories=[STATIC_DIR], include_in_schema=False)
+    return create_static_files_router(
+        path="/static", directories=[STATIC_DIR], file_system=_StaticFileSystem(), include_in_schema=False
+    )

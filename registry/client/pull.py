@@ -198,6 +198,15 @@ def _stage(
             hint="the registry served the wrong artifact; report it to the registry's operator",
         )
 
+    if set(subjects) != {KV_FILE}:
+        # The engine loads only kv.safetensors; anything else is refused before a byte is fetched
+        # (a lying registry's statement could name any number of files).
+        names = sorted(subjects)
+        raise EvidenceError(
+            f"the statement of entry {index} of {client.url} names {len(names)} subjects "
+            f"({', '.join(repr(n[:40]) for n in names[:3])}{', ...' if len(names) > 3 else ''}), not only {KV_FILE}",
+            hint="a KV artifact's only subject is kv.safetensors; report it to the registry's operator",
+        )
     files = []
     size = 0
     with progress_bar(progress, None, f"pull {target.name}") as bar:

@@ -100,12 +100,20 @@ def remember_artifact(directory: Path, kv_digest: Sha256Digest | str) -> None:
     write_atomic(local_index_path(kv_digest), str(directory.resolve()).encode("utf-8"), 0o644)
 
 
+#: A local index pointer longer than this is not a path (PATH_MAX is 4096 on Linux).
+_MAX_POINTER_BYTES = 16 << 10
+
+
 def artifact_candidates(kv_digest: Sha256Digest | str, near: Path) -> list[Path]:
     """Where an artifact with ``kv_digest`` may live: the local index's pointer, then every
     directory beside ``near``, sorted. Only candidates: the caller checks what it finds."""
     candidates: list[Path] = []
-    with contextlib.suppress(OSError):
-        candidates.append(Path(local_index_path(kv_digest).read_text(encoding="utf-8").strip()))
+    # The pointer is only a hint: one that cannot be read, is not UTF-8, holds a NUL or is longer
+    # than any path is skipped (the siblings are still tried), never an error.
+    with contextlib.suppress(OSError, ValueError), local_index_path(kv_digest).open("rb") as f:
+        pointer = f.read(_MAX_POINTER_BYTES + 1)
+        if len(pointer) <= _MAX_POINTER_BYTES and b"\0" not in pointer:
+            candidates.append(Path(pointer.decode("utf-8").strip()))
     with contextlib.suppress(OSError):
         candidates += sorted(p for p in near.parent.iterdir() if p.is_dir())
     return candidates
