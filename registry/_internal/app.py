@@ -58,7 +58,6 @@ from .errors import (
     BadRequestError,
     DocumentTooDeepError,
     HeadersTooLargeError,
-    NotFoundError,
     PayloadTooLargeError,
     RegistryError,
     storage_error,
@@ -600,18 +599,8 @@ async def get_inclusion(
     404 when the log has no tree of ``tree_size`` yet, or the entry is not in it: what was asked
     for does not exist (as for a checkpoint), though the numbers themselves are well formed.
     """
-    registry = _registry(request)
     entry, size = _required_int(index, "index"), _int_query(tree_size, "tree_size")
-    latest = registry.log.size
-    size = latest if size is None else size
-    if size > latest:
-        raise NotFoundError(
-            f"tree size {size} is outside the log, which has {latest} entries",
-            hint="ask for a tree size no larger than the latest checkpoint's",
-        )
-    if entry >= size:
-        raise NotFoundError(f"entry {entry} is not in a tree of size {size}", hint="the index must be less than the tree size")
-    return _wire(InclusionProof, await _run(registry.inclusion_proof, entry, size))
+    return _wire(InclusionProof, await _run(_registry(request).inclusion_proof, entry, size))
 
 
 @get("/v1/log/proof/consistency", guards=[read_guard], summary="Consistency proof")
@@ -622,21 +611,8 @@ async def get_consistency(
 
     404 when the log has no tree of ``new`` yet, or ``old`` is larger than ``new`` (no such proof).
     """
-    registry = _registry(request)
     old_size, new_size = _required_int(old, "old"), _int_query(new, "new")
-    latest = registry.log.size
-    new_size = latest if new_size is None else new_size
-    if new_size > latest:
-        raise NotFoundError(
-            f"tree size {new_size} is outside the log, which has {latest} entries",
-            hint="ask for a tree size no larger than the latest checkpoint's",
-        )
-    if old_size > new_size:
-        raise NotFoundError(
-            f"old tree size {old_size} must be between 0 and the new tree size {new_size}",
-            hint="pass the older checkpoint's size as old and the newer one's as new",
-        )
-    return _wire(ConsistencyProof, await _run(registry.consistency_proof, old_size, new_size))
+    return _wire(ConsistencyProof, await _run(_registry(request).consistency_proof, old_size, new_size))
 
 
 # --- artifacts, records, publishers ------------------------------------------------------------

@@ -25,7 +25,7 @@ from kvgraft.verifier import (
     verify_checkpoint,
 )
 
-from .errors import BadRequestError
+from .errors import NotFoundError
 
 __all__ = ["LogHead", "TransparencyLog", "format_vkey", "hash_leaf", "verify_checkpoint"]
 
@@ -77,30 +77,34 @@ class TransparencyLog:
         self._tree = MerkleTree(leaf_hashes)
 
     def inclusion(self, index: int, tree_size: int | None = None) -> dict[str, Any]:
-        """The inclusion proof document of leaf ``index`` in the tree of ``tree_size`` leaves."""
+        """The inclusion proof document of leaf ``index`` in the tree of ``tree_size`` leaves.
+
+        A tree the log does not have, or a leaf not in it, is a 404: what was asked for does not
+        exist, though the numbers are well formed (parsing them is the caller's job).
+        """
         size = self.size if tree_size is None else tree_size
         if not 0 <= size <= self.size:
-            raise BadRequestError(
+            raise NotFoundError(
                 f"tree size {size} is outside the log, which has {self.size} entries",
                 hint="ask for a tree size no larger than the latest checkpoint's",
             )
         if not 0 <= index < size:
-            raise BadRequestError(
+            raise NotFoundError(
                 f"entry {index} is not in a tree of size {size}",
                 hint="the index must be less than the tree size",
             )
         return inclusion_proof_document(index, size, self._tree.inclusion_proof(index, size))
 
     def consistency(self, old_size: int, new_size: int | None = None) -> dict[str, Any]:
-        """The consistency proof document from ``old_size`` to ``new_size`` (default: all)."""
+        """The consistency proof document from ``old_size`` to ``new_size`` (default: all); 404 as above."""
         new = self.size if new_size is None else new_size
         if not 0 <= new <= self.size:
-            raise BadRequestError(
+            raise NotFoundError(
                 f"tree size {new} is outside the log, which has {self.size} entries",
                 hint="ask for a tree size no larger than the latest checkpoint's",
             )
         if not 0 <= old_size <= new:
-            raise BadRequestError(
+            raise NotFoundError(
                 f"old tree size {old_size} must be between 0 and the new tree size {new}",
                 hint="pass the older checkpoint's size as old and the newer one's as new",
             )

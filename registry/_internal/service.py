@@ -226,7 +226,7 @@ class Registry:
     def inclusion_proof(self, index: int, tree_size: int | None) -> dict[str, Any]:
         """The inclusion proof document of entry ``index`` (tree size default: the latest).
 
-        Sizes and indices outside the announced log are a 400, however large the number.
+        Sizes and indices outside the announced log are a 404, however large the number.
         """
         with self.db.lock:
             return self.log.inclusion(index, self._announced(tree_size))
@@ -242,7 +242,7 @@ class Registry:
         if tree_size is None:
             return head
         if not 0 <= tree_size <= head:
-            raise BadRequestError(
+            raise NotFoundError(
                 f"tree size {tree_size} is outside the log, which has {head} entries",
                 hint="ask for a tree size no larger than the latest checkpoint's",
             )

@@ -59,6 +59,7 @@ from kvgraft.verifier import (
     sign_checkpoint,
 )
 from tests.registry.conftest import REPO, Key, artifact, running_server
+from tests.reliability.mounts import cannot_mount
 from tests.reliability.servers import make_token
 
 # --- a hostile registry ------------------------------------------------------------------------
@@ -460,14 +461,14 @@ def _publish_artifact(
 
 def test_pull_onto_a_full_disk_ends_in_one_line_and_leaves_nothing(tmp_path: Path, rkeys: dict[str, Key]) -> None:
     if shutil.which("unshare") is None:
-        pytest.skip("needs unshare(1) to mount a small tmpfs")
+        cannot_mount("unshare(1) is not installed")
     probe = subprocess.run(
         ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {tmp_path} && umount {tmp_path}"],
         capture_output=True,
         timeout=30,
     )
     if probe.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {probe.stderr.decode(errors='replace')[:200]}")
+        cannot_mount(f"cannot mount a tmpfs in a user namespace here: {probe.stderr.decode(errors='replace')[:200]}")
     small = tmp_path / "small"
     small.mkdir()
     with running_server(tmp_path / "data") as server:

@@ -22,6 +22,7 @@ import pytest
 
 from kvgraft.schemas import sha256_bytes
 from tests.registry.conftest import Key, Server, artifact, harness, running_server
+from tests.reliability.mounts import fill, tmpfs
 from tests.reliability.servers import make_token, post_entry, put_blob
 
 MIB = 1024 * 1024
@@ -159,29 +160,6 @@ def test_head_on_a_get_route_answers_the_get_headers_without_a_body(live: Server
 
 
 @contextlib.contextmanager
-def _tmpfs(where: Path, size: str) -> Iterator[Path]:
-    where.mkdir(parents=True)
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs (a real full disk) needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False, capture_output=True)
-
-
-def _fill(disk: Path) -> None:
-    """Write a filler file until the file system is full (ENOSPC)."""
-    with (disk / "filler").open("wb") as f, contextlib.suppress(OSError):
-        while True:
-            f.write(b"\0" * 65536)
-            f.flush()
-            os.fsync(f.fileno())
-
-
-@contextlib.contextmanager
 def _server_on(data: Path, log: Path) -> Iterator[Server]:
     """``kvgraft serve`` over ``data``, logging to ``log`` (off the disk that is about to fill up)."""
     server = Server(data, log)
@@ -201,12 +179,12 @@ def _no_path(body: str, *paths: Path) -> None:
 def test_blob_put_and_publish_on_a_full_disk_are_507_problems_naming_no_path(tmp_path: Path, rkeys: dict[str, Key]) -> None:
     alice = rkeys["alice"]
     publish_status: list[int] = []
-    with _tmpfs(tmp_path / "disk", "24m") as disk, _server_on(disk / "data", tmp_path / "server.log") as server:
+    with tmpfs(tmp_path / "disk", "24m") as disk, _server_on(disk / "data", tmp_path / "server.log") as server:
         token, _ = make_token(server, "alice", alice)
         art = artifact("published onto a full disk")
         with httpx.Client(base_url=server.url, timeout=30) as c:
             assert put_blob(c, token, art.tensors).status_code == 201
-            _fill(disk)
+            fill(disk)
             big = os.urandom(2 * MIB)
             r = put_blob(c, token, big)
             assert r.status_code == 507, r.text
@@ -228,7 +206,7 @@ def test_blob_put_and_publish_on_a_full_disk_are_507_problems_naming_no_path(tmp
 
 
 def test_blob_put_on_a_read_only_data_directory_is_a_503_problem_naming_no_path(tmp_path: Path, rkeys: dict[str, Key]) -> None:
-    with _tmpfs(tmp_path / "disk", "24m") as disk, _server_on(disk / "data", tmp_path / "server.log") as server:
+    with tmpfs(tmp_path / "disk", "24m") as disk, _server_on(disk / "data", tmp_path / "server.log") as server:
         token, _ = make_token(server, "alice", rkeys["alice"])
         # The blob store alone goes read-only (a read-only bind mount over it): the database, whose
         # file is open, stays writable, as after an operator's mistaken remount of one volume.
