@@ -8,6 +8,8 @@ docs/registry.md.
 ``serve`` (uvicorn over a data directory), ``admin_session`` (tokens and keys, through a running
 server or the database) and ``fsck`` (check a stopped registry's data) are what the ``kvgraft
 serve``, ``token``, ``key`` and ``fsck`` commands run (``kvgraft/cli/serve.py``).
+``create_witness_app``/``serve_witness`` (with ``WitnessSettings``) are the c2sp.org/tlog-witness
+cosigner ``kvgraft witness serve`` runs (``kvgraft/cli/witness.py``, docs/witness.md).
 
 Importing this package does not import litestar or duckdb: ``create_app``, ``serve``,
 ``admin_session`` and ``fsck`` load them on first use, so ``kvgraft`` commands that need no
@@ -39,20 +41,31 @@ from ._internal.settings import RegistrySettings
 if TYPE_CHECKING:
     from ._internal.admin import admin_session
     from ._internal.app import create_app
+    from ._internal.cosignatures import parse_witness_option
     from ._internal.fsck import fsck
     from ._internal.server import serve
+    from ._internal.tiles import ExportReport, export_tiles
+    from ._internal.witness import DEFAULT_WITNESS_MAX_BODY_BYTES, WitnessSettings, create_witness_app, serve_witness
 
 __all__ = [
     "AuthenticationError", "BadDigestError", "BadRequestError", "BlobDigestMismatchError", "InvalidSignatureError",
     "InvalidStatementError", "KeyNotBoundError", "MissingBlobsError", "NotFoundError", "PayloadTooLargeError",
     "RangeNotSatisfiableError", "RegistryError", "RegistrySettings", "TokenRevokedError", "create_app",
     "admin_session", "fsck", "serve",
+    "DEFAULT_WITNESS_MAX_BODY_BYTES", "WitnessSettings", "create_witness_app", "parse_witness_option", "serve_witness",
+    "ExportReport", "export_tiles",
 ]
 
 
 #: Loaded on first use, each from its ``_internal`` module: the app pulls in litestar, duckdb and
 #: anyio; the server uvicorn; the admin commands and fsck open DuckDB.
 _LAZY = {"create_app": "app", "serve": "server", "admin_session": "admin", "fsck": "fsck"}
+#: The witness (``kvgraft witness serve``): its app loads litestar, its server uvicorn, on first use.
+_LAZY |= dict.fromkeys(
+    ("DEFAULT_WITNESS_MAX_BODY_BYTES", "WitnessSettings", "create_witness_app", "serve_witness"), "witness"
+) | {"parse_witness_option": "cosignatures"}
+#: ``kvgraft tiles export``: reads the database read-only (DuckDB) on first use.
+_LAZY |= dict.fromkeys(("ExportReport", "export_tiles"), "tiles")
 
 
 def __getattr__(name: str) -> Any:

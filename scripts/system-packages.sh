@@ -6,6 +6,10 @@
 #   chromium      test: /usr/bin/chromium, which the web UI's browser tests (tests/web) drive
 #                 through Playwright; not with KVGRAFT_SKIP_BROWSER=1, which skips those tests
 #   curl          test: the browser tests run the UI's auditor commands, which fetch with curl
+#   golang-go, golang-golang-x-mod-dev
+#                 test: tests/registry/test_tiles.py builds tests/registry/tlogtiles (Go's sumdb/tlog
+#                 and sumdb/note, from /usr/share/gocode, no module download) to read the registry's
+#                 tlog-tiles independently
 #   python3-venv  test and demo: `python3 -m venv` (the Makefile's .venv, and the verifier-only
 #                 venv that tests/verifier/test_standalone_install.py builds) needs ensurepip
 #
@@ -20,6 +24,8 @@ missing=()
 if [ "$FOR" = test ]; then
   if [ "${KVGRAFT_SKIP_BROWSER:-}" != "1" ] && [ ! -x /usr/bin/chromium ]; then missing+=(chromium); fi
   command -v curl >/dev/null 2>&1 || missing+=(curl)
+  command -v go >/dev/null 2>&1 || missing+=(golang-go)
+  [ -d /usr/share/gocode/src/golang.org/x/mod/sumdb/tlog ] || missing+=(golang-golang-x-mod-dev)
 fi
 # Only Debian's own interpreter is mended by python3-venv; another one (pyenv, a missing one) is left be.
 py="$(command -v "$PYTHON" 2>/dev/null || true)"

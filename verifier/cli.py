@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgraft.schemas import (
+    MODEL_SIG_FILE,
     STATEMENT_FILE,
     InvalidDigestError,
     KvArtifactStatement,
@@ -32,10 +33,17 @@ from ._internal.errors import DigestMismatchError, MalformedInputError, Verifica
 from ._internal.evaluation import verify_evaluation_record
 from ._internal.exactness import verify_exactness_record
 from ._internal.grading import load_dataset
-from ._internal.keys import TrustedKeys, load_trusted_keys, read_limited
+from ._internal.keys import TrustedKeys, load_public_key, load_trusted_keys, read_limited, trusted_key
 from ._internal.lineage import verify_artifact_lineage
+from ._internal.oms import (
+    UncheckedModelSignature,
+    VerifiedModelSignature,
+    check_model_signature_beside,
+    verify_model_signature,
+)
 from ._internal.replay import load_checkpoint, verify_replay
 from ._internal.subjects import verify_subjects
+from ._internal.tiles_cli import add_tiles_parser
 from ._internal.tlog_cli import add_log_parser
 
 
@@ -106,10 +114,44 @@ def _cmd_envelope(args: argparse.Namespace) -> dict[str, Any]:
         elif args.parent_dir is not None:
             raise MalformedInputError(f"--parent-dir is for KV artifacts; this is a {statement.predicate_type} statement",
                                       hint="drop --parent-dir")
+        # A model.sig beside the subjects is checked too when a trusted key signed it; one by
+        # another key, or of a kind not checked here, is reported and passed over (oms.py).
+        beside = check_model_signature_beside(args.artifact_dir, trusted)
+        if isinstance(beside, UncheckedModelSignature):
+            result["model_sig"] = {"checked": False, "signature": str(beside.signature), "reason": beside.reason}
+            lineage += f"; {MODEL_SIG_FILE} not checked: {beside.reason}"
+        elif beside is not None:
+            result["model_sig"] = {"checked": True, **_model_sig_result(beside)}
+            lineage += "; " + beside.describe()
     signers = ", ".join(f"{k.name} ({k.keyid[:16]})" for k in verified.signers)
     checked = f"; {len(result['subjects_checked'])} subject file(s) match{lineage}" if "subjects_checked" in result else ""
     result["summary"] = f"OK: {statement.predicate_type} statement signed by {signers}{checked}"
     return result
+
+
+def _model_sig_result(verified: VerifiedModelSignature) -> dict[str, Any]:
+    return {
+        "signature": str(verified.signature),
+        "signer": {"name": verified.signer.name, "keyid": verified.signer.keyid},
+        "model_name": verified.model_name,
+        "root_digest": verified.root_digest,
+        "files": list(verified.files),
+        "ignore_paths": list(verified.ignore_paths),
+        "unsigned_paths": list(verified.unsigned_paths),
+    }
+
+
+def _cmd_oms(args: argparse.Namespace) -> dict[str, Any]:
+    if args.public_key is not None:
+        trusted = TrustedKeys((trusted_key(str(args.public_key), load_public_key(args.public_key)),))
+    else:
+        trusted = load_trusted_keys(args.trusted_keys)
+    verified = verify_model_signature(args.directory, trusted, signature=args.signature)
+    return {
+        "verified": "model_signing",
+        **_model_sig_result(verified),
+        "summary": f"OK: {args.directory}: {verified.describe()}; every file's sha256 matches, none missing, none extra",
+    }
 
 
 def _cmd_exactness(args: argparse.Namespace) -> dict[str, Any]:
@@ -248,8 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument(
         "--artifact-dir",
         type=Path,
-        help="check that this directory holds exactly the subjects; for a KV artifact also recompute its token "
-        "digest, and a root's chain key",
+        help="check that this directory holds exactly the subjects (and, when there, that its model.sig verifies "
+        "if one of the same trusted keys signed it); for a KV artifact also recompute its token digest, and a root's chain key",
     )
     env.add_argument(
         "--parent-dir",
@@ -263,6 +305,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="check the DSSE signatures and threshold only; do not read the payload as an in-toto statement",
     )
     env.set_defaults(run=_cmd_envelope)
+
+    om = sub.add_parser(
+        "oms",
+        help=f"verify an OpenSSF model signing signature ({MODEL_SIG_FILE}) against the files of a directory",
+    )
+    om.add_argument("directory", type=Path, metavar="DIR", help="the signed directory")
+    om.add_argument("--signature", type=Path, help=f"the model_signing bundle (default: DIR/{MODEL_SIG_FILE})")
+    om_keys = om.add_mutually_exclusive_group(required=True)
+    om_keys.add_argument("--public-key", type=Path, help="the signer's ECDSA P-256 or P-384 public key (PEM)")
+    om_keys.add_argument("--trusted-keys", type=Path, help="trusted-keys JSON file (its ECDSA keys are tried by hint)")
+    om.set_defaults(run=_cmd_oms)
 
     vb = sub.add_parser(
         "verify-bundle",
@@ -301,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     au.set_defaults(run=_cmd_audit)
 
     add_log_parser(sub)
+    add_tiles_parser(sub)
     return parser
 
 

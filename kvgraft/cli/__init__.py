@@ -3,10 +3,13 @@
 One module per command group, each adding its subcommands with ``add_commands(sub)``:
 
 - ``keys``: ``keys generate``, ``keys trust``, ``sign`` (verifier and schemas only);
+- ``oms``: ``oms sign``, an OpenSSF model signing ``model.sig`` (verifier and schemas only);
 - ``engine``: ``models list``, ``capture``, ``graft``, ``fresh``, ``single-pass``, ``generate``, ``exactness``;
 - ``flywheel``: ``library deposit``, ``ask``, ``eval``, ``prereg``, ``replay`` (docs/flywheel.md);
 - ``serve``: ``serve``, ``token``, ``key``, ``fsck`` (the registry's admin side);
-- ``remote``: ``publish``, ``pull``, ``mirror``, ``report`` (the registry client).
+- ``remote``: ``publish``, ``pull``, ``mirror``, ``report`` (the registry client);
+- ``tiles``: ``tiles export``, the registry's log as a static c2sp.org/tlog-tiles directory;
+- ``witness``: ``witness serve``, ``witness key`` (a c2sp.org/tlog-witness cosigner, docs/witness.md).
 
 ``_common`` holds what they share (``CliError``, the global options, the guard for optional
 extras, the output). The engine and the registry are imported only when a command runs, so
@@ -22,7 +25,7 @@ from collections.abc import Sequence
 
 from kvgraft.schemas import KvgraftError
 
-from . import engine, flywheel, keys, remote, serve
+from . import engine, flywheel, keys, oms, remote, serve, tiles, witness
 from ._common import CliError, print_failure, print_result, top_parser
 
 __all__ = ["CliError", "build_parser", "main", "run"]
@@ -32,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``kvgraft``: every command sets ``run(args) -> dict`` (see ``_common``)."""
     parser = top_parser(prog="kvgraft", description="Capture, sign, publish and graft KV state.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (keys, engine, flywheel, serve, remote):
+    for group in (keys, oms, engine, flywheel, serve, remote, tiles, witness):
         group.add_commands(sub)
     return parser
 

@@ -36,7 +36,7 @@ def add_trust_options(p: argparse.ArgumentParser) -> None:
 
 def add_key_options(p: argparse.ArgumentParser) -> None:
     """``--key`` and ``--passphrase-env``: what a command that signs signs with."""
-    p.add_argument("--key", type=Path, help="Ed25519 private key (default: the local key under $KVGRAFT_HOME)")
+    p.add_argument("--key", type=Path, help="private key, Ed25519, P-256 or P-384 (default: the local key under $KVGRAFT_HOME)")
     p.add_argument("--passphrase-env", metavar="VAR", help="the key's passphrase is in this environment variable")
 
 

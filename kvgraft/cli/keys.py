@@ -22,9 +22,12 @@ from kvgraft.schemas import (
     sha256_file,
 )
 from kvgraft.verifier import (
+    KEY_TYPES,
     TrustedKeys,
     envelope_json,
     generate_private_key,
+    key_type_label,
+    key_type_of,
     keyid_of,
     load_public_key,
     load_trusted_keys,
@@ -40,7 +43,7 @@ from ._common import CliError, add_command, passphrase
 
 
 def _cmd_keys_generate(args: argparse.Namespace) -> dict[str, Any]:
-    key = generate_private_key()
+    key = generate_private_key(args.type)
     pub_path = args.out.with_name(args.out.name + ".pub")
     save_private_key(key, args.out, passphrase(args.passphrase_env))
     save_public_key(key.public_key(), pub_path)
@@ -49,7 +52,8 @@ def _cmd_keys_generate(args: argparse.Namespace) -> dict[str, Any]:
         "private_key": str(args.out),
         "public_key": str(pub_path),
         "keyid": kid,
-        "summary": f"wrote {args.out} (private, mode 0600) and {pub_path}; keyid {kid}",
+        "type": args.type,
+        "summary": f"wrote {args.out} (private, mode 0600) and {pub_path}; {key_type_label(args.type)} key, keyid {kid}",
     }
 
 
@@ -67,7 +71,13 @@ def _cmd_keys_trust(args: argparse.Namespace) -> dict[str, Any]:
     if trust.threshold > len(trust.keys):
         raise CliError(f"threshold {trust.threshold} exceeds the {len(trust.keys)} trusted key(s)", hint="lower --threshold")
     write_atomic(args.file, (json.dumps(trust.to_json(), indent=2) + "\n").encode(), 0o644)
-    return {"file": str(args.file), "keyid": new.keyid, "summary": f"{args.file} now trusts {args.name} ({new.keyid})"}
+    kind = key_type_of(public)
+    return {
+        "file": str(args.file),
+        "keyid": new.keyid,
+        "type": kind,
+        "summary": f"{args.file} now trusts {args.name} ({key_type_label(kind)}, {new.keyid})",
+    }
 
 
 def _cmd_sign(args: argparse.Namespace) -> dict[str, Any]:
@@ -94,19 +104,25 @@ def _cmd_sign(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``keys`` (``generate``, ``trust``) and ``sign`` to ``kvgraft``'s subcommands."""
-    keys = sub.add_parser("keys", help="manage Ed25519 signing keys and trusted-keys files")
+    keys = sub.add_parser("keys", help="manage signing keys (Ed25519, ECDSA P-256/P-384) and trusted-keys files")
     ksub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
     gen = add_command(ksub, "generate", _cmd_keys_generate, help="write a new private key (PEM) and its .pub beside it")
     gen.add_argument("--out", type=Path, required=True, help="private key path; the public key goes to OUT.pub")
     gen.add_argument("--passphrase-env", metavar="VAR", help="encrypt with the passphrase in this environment variable")
+    gen.add_argument(
+        "--type",
+        choices=KEY_TYPES,
+        default="ed25519",
+        help="ed25519 (default), p256 (ECDSA P-256, SHA-256) or p384 (ECDSA P-384, SHA-384)",
+    )
     trust = add_command(ksub, "trust", _cmd_keys_trust, help="add a public key to a trusted-keys file (created if missing)")
     trust.add_argument("--file", type=Path, required=True, help="the trusted-keys JSON file")
     trust.add_argument("--name", required=True, help="a human name for the key")
-    trust.add_argument("--public-key", type=Path, required=True, help="PEM public key")
+    trust.add_argument("--public-key", type=Path, required=True, help="PEM public key (Ed25519, P-256 or P-384)")
     trust.add_argument("--threshold", type=int, help="distinct signatures required (default: keep, or 1)")
 
     sign = add_command(sub, "sign", _cmd_sign, help="sign an in-toto statement about files, as a DSSE envelope")
-    sign.add_argument("--key", type=Path, required=True, help="Ed25519 private key (PEM)")
+    sign.add_argument("--key", type=Path, required=True, help="private key (PEM: Ed25519, P-256 or P-384)")
     sign.add_argument("--passphrase-env", metavar="VAR", help="the key's passphrase is in this environment variable")
     sign.add_argument("--subject", type=Path, action="append", required=True, help="a file the statement is about (repeat)")
     sign.add_argument("--predicate-type", required=True, help="the predicate's type URI")

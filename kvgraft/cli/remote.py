@@ -39,21 +39,25 @@ def add_registry_options(p: argparse.ArgumentParser, *, required: bool, token_he
 @contextmanager
 def registry_session(args: argparse.Namespace, *, token_required: bool) -> Iterator[tuple[RegistryClient, RegistryKey]]:
     """A client of ``--registry`` (the client's default limits) and the key its checkpoints must be
-    signed with (``--registry-key``, else trusted on first use)."""
+    signed with (``--registry-key``, else trusted on first use), cosigned as ``$KVGRAFT_WITNESS_POLICY``
+    requires when it is set."""
     with needs(REGISTRY_CLIENT):
-        from kvgraft.registry.client import RegistryClient, registry_key
+        from kvgraft.registry.client import RegistryClient, registry_key, witness_policy_from
     secret = token(args.token, required=token_required, what="publishing")
-    with RegistryClient(args.registry, token=secret) as client:
+    policy = witness_policy_from(getattr(args, "witness_policy", None))
+    with RegistryClient(args.registry, token=secret, witness_policy=policy) as client:
         yield client, registry_key(client, args.registry_key)
 
 
-def _client(args: argparse.Namespace, url: str, secret: str | None) -> RegistryClient:
-    """A client of ``url`` under the command's ``--timeout``, ``--max-json-bytes``, ... limits."""
-    from kvgraft.registry.client import ClientLimits, RegistryClient
+def _client(args: argparse.Namespace, url: str, secret: str | None, *, witnessed: bool = True) -> RegistryClient:
+    """A client of ``url`` under the command's ``--timeout``, ``--max-json-bytes``, ... limits and,
+    when ``witnessed``, its witness policy (``--witness-policy``, else ``$KVGRAFT_WITNESS_POLICY``)."""
+    from kvgraft.registry.client import ClientLimits, RegistryClient, witness_policy_from
 
     limits = ClientLimits(timeout=args.timeout, max_json_bytes=args.max_json_bytes, max_blob_bytes=args.max_blob_bytes,
                           min_rate=args.min_rate)
-    return RegistryClient(url, token=secret, limits=limits)
+    policy = witness_policy_from(args.witness_policy) if witnessed else None
+    return RegistryClient(url, token=secret, limits=limits, witness_policy=policy, witness_wait=args.witness_wait)
 
 
 # --- publish -------------------------------------------------------------------------------------
@@ -126,7 +130,8 @@ def _cmd_mirror(args: argparse.Namespace) -> dict[str, Any]:
         tokens = [os.environ[TOKEN_ENV]]
     if not tokens:
         raise CliError("mirror needs a token for the target registry", hint=f"pass --token T, or export {TOKEN_ENV}=T")
-    with _client(args, args.source, args.from_token) as src, _client(args, args.target, tokens[0]) as dst:
+    # The witness policy is the source's: the target is another log, proved equal to it here.
+    with _client(args, args.source, args.from_token) as src, _client(args, args.target, tokens[0], witnessed=False) as dst:
         r = mirror(src, dst, source_key_file=args.registry_key_from, target_key_file=args.registry_key_to,
                    extra_tokens=tokens[1:], progress=not args.json)
     return {**r.to_json(), "summary": _mirror_summary(r)}
@@ -194,6 +199,12 @@ def _add_limit_options(p: argparse.ArgumentParser) -> None:
                    help="refuse a blob larger than N bytes before reading it (default 64 GiB)")
     p.add_argument("--min-rate", type=int, default=1 << 20, metavar="B",
                    help="bytes per second a blob transfer must average (default 1 MiB/s)")
+    p.add_argument("--witness-policy", type=Path, metavar="FILE",
+                   help="accept only checkpoints cosigned as this c2sp.org/tlog-policy file requires (docs/witness.md; "
+                   "default: $KVGRAFT_WITNESS_POLICY; for mirror, the source's checkpoints)")
+    p.add_argument("--witness-wait", type=float, default=30.0, metavar="S",
+                   help="with a witness policy, seconds to wait for the witnesses to cosign a checkpoint holding the "
+                   "entry (default 30)")
 
 
 def _add_client_command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, command: Command,

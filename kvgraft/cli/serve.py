@@ -39,6 +39,22 @@ def _read_pem(path: Path) -> str:
 # --- serve ---------------------------------------------------------------------------------------
 
 
+def _witnesses(values: list[str]) -> tuple[tuple[str, str], ...]:
+    """``--witness VKEY=URL`` values, each vkey checked now so that a typo fails before the server starts."""
+    from kvgraft.registry import parse_witness_option
+    from kvgraft.verifier import MalformedInputError, parse_witness_vkey
+
+    pairs = []
+    for value in values:
+        try:
+            vkey, url = parse_witness_option(value)
+            parse_witness_vkey(vkey)
+        except (ValueError, MalformedInputError) as e:
+            raise CliError(f"--witness: {e}", hint="pass VKEY=URL: the vkey 'kvgraft witness key' prints, '=', the witness's URL") from e
+        pairs.append((vkey, url))
+    return tuple(pairs)
+
+
 def _cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry import serve
 
@@ -60,6 +76,8 @@ def _cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
             public_url=args.public_url,
             scrub_interval=args.scrub_interval,
             verify_on_read_bytes=args.verify_on_read_bytes,
+            witnesses=_witnesses(args.witness or []),
+            witness_timeout=args.witness_timeout,
         )
     except ValueError as e:
         raise CliError(str(e), hint="pass positive sizes and counts, a rate limit >= 0, a burst >= 1 and a scrub interval >= 0") from e
@@ -202,6 +220,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                        help=f"re-hash every stored blob this often in the background; 0: never (default {d.scrub_interval:g})")
     serve.add_argument("--public-url", metavar="URL",
                        help="this registry's public base URL, used in the commands its pages show (default: the listening address)")
+    serve.add_argument("--witness", action="append", metavar="VKEY=URL",
+                       help="a witness to submit every new checkpoint to, and serve its cosignatures (repeat; docs/witness.md)")
+    serve.add_argument("--witness-timeout", type=float, default=d.witness_timeout, metavar="SECONDS",
+                       help=f"seconds one request to a witness may take (default {d.witness_timeout:g})")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
     token = sub.add_parser("token", help="create, list and revoke publishing tokens")
@@ -217,7 +239,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
     key = sub.add_parser("key", help="register and list publishers' public keys")
     ksub = key.add_subparsers(dest="key_command", required=True, metavar="ACTION")
-    add = _data_command(ksub, "add", _cmd_key_add, help="register a publisher's Ed25519 public key")
+    add = _data_command(ksub, "add", _cmd_key_add, help="register a publisher's public key (Ed25519, ECDSA P-256 or P-384)")
     add.add_argument("--publisher", required=True, help="the publisher's name (created if new)")
     add.add_argument("--public-key", type=Path, required=True, metavar="PEM", help="the public key file")
     _data_command(ksub, "list", _cmd_key_list, help="list registered keys")

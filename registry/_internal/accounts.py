@@ -75,7 +75,7 @@ class Accounts:
         try:
             key = parse_public_key(pem, source="the public key")
         except KeyFileError as e:
-            raise BadRequestError(e.message, hint="pass an Ed25519 public key PEM ('kvgraft keys generate' writes one as .pub)") from e
+            raise BadRequestError(e.message, hint="pass an Ed25519, P-256 or P-384 public key PEM ('kvgraft keys generate' writes one as .pub)") from e
         keyid = keyid_of(key)
         with self._db.transaction() as conn:
             row = conn.execute("SELECT publisher FROM publisher_keys WHERE keyid = ?", [keyid]).fetchone()
@@ -139,7 +139,7 @@ class Accounts:
             try:
                 parsed.append(parse_public_key(raw, source=f"public key {i + 1}"))
             except KeyFileError as e:
-                raise BadRequestError(e.message, hint="pass Ed25519 public key PEM files ('kvgraft keys generate' writes .pub)") from e
+                raise BadRequestError(e.message, hint="pass Ed25519, P-256 or P-384 public key PEM files ('kvgraft keys generate' writes .pub)") from e
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)
         token_id = "tok_" + secrets.token_hex(6)
         with self._db.transaction() as conn:

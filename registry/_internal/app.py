@@ -51,6 +51,7 @@ from kvgraft.schemas import (
 
 from .accounts import TokenInfo
 from .blobs import BlobScrubber, parse_digest_ref
+from .cosignatures import MAX_WITNESSES, WitnessCollector, witness_targets
 from .datadir import AdminHandle, remove_admin_handle, write_admin_handle
 from .entries import json_depth_within, kind_of_filter
 from .errors import (
@@ -67,6 +68,7 @@ from .ranges import if_range_allows, none_match, parse_range
 from .security import add_security_headers
 from .service import Page, Registry
 from .settings import RegistrySettings
+from .tiles import CHECKPOINT_CACHE, TILES_PREFIX, tile_resource
 from .ui import static_router, ui_router
 
 logger = logging.getLogger("kvgraft.registry")
@@ -577,10 +579,16 @@ async def get_envelope(request: Request[Any, Any, Any], ref: FromPath[str]) -> R
 
 
 @get("/v1/log/checkpoint", guards=[read_guard], summary="The latest signed checkpoint")
-async def get_checkpoint(request: Request[Any, Any, Any], tree_size: FromQuery[str | None] = None) -> Response[bytes]:
-    """The latest (or ``tree_size``'s) C2SP signed checkpoint note, as text."""
+async def get_checkpoint(
+    request: Request[Any, Any, Any], tree_size: FromQuery[str | None] = None, witnessed: FromQuery[str | None] = None
+) -> Response[bytes]:
+    """The latest (or ``tree_size``'s) C2SP signed checkpoint note, as text, with the witness
+    cosignature lines the registry holds for it; ``witnessed=K``: the newest one cosigned by at
+    least K witnesses (404 when none is yet)."""
     # A size outside the log (negative, or past 2^63-1 too) names no checkpoint: 404, from the service.
-    note = await _run(_registry(request).checkpoint, _int_query(tree_size, "tree_size", high=None))
+    size = _int_query(tree_size, "tree_size", high=None)
+    count = _int_query(witnessed, "witnessed", high=MAX_WITNESSES)
+    note = await _run(_registry(request).checkpoint, size, witnessed=count)
     return Response(content=note, media_type="text/plain", headers={"Cache-Control": "no-cache"})
 
 
@@ -615,7 +623,29 @@ async def get_consistency(
     return _wire(ConsistencyProof, await _run(_registry(request).consistency_proof, old_size, new_size))
 
 
-# --- artifacts, records, publishers ------------------------------------------------------------
+# --- the log as c2sp.org/tlog-tiles (registry/_internal/tiles.py) --------------------------------
+# Not in the OpenAPI document: c2sp.org/tlog-tiles is their contract, and OpenAPI cannot state a
+# path parameter spanning several segments (x001/x234/067.p/5); docs/registry.md lists them.
+
+
+@get(TILES_PREFIX + "/checkpoint", guards=[read_guard], include_in_schema=False)
+async def get_tiles_checkpoint(request: Request[Any, Any, Any]) -> Response[bytes]:
+    """The tiled log's checkpoint: the note GET /v1/log/checkpoint serves, as tlog-tiles types it."""
+    note = await _run(_registry(request).checkpoint)
+    # Litestar adds "; charset=utf-8" to text types: the spec's exact Content-Type.
+    return Response(content=note, media_type="text/plain", headers={"Cache-Control": CHECKPOINT_CACHE})
+
+
+@get(TILES_PREFIX + "/tile/{path:path}", guards=[read_guard], include_in_schema=False)
+async def get_tile(request: Request[Any, Any, Any], path: FromPath[str]) -> Response[bytes]:
+    """A hash tile or entry bundle (c2sp.org/tlog-tiles); 304 when If-None-Match has its ETag."""
+    found = await _run(tile_resource, _registry(request), "tile/" + path.removeprefix("/"), request.headers.get("if-none-match"))
+    headers = {"ETag": found.etag, "Cache-Control": found.cache_control}
+    if found.body is None:
+        return Response(content=b"", status_code=304, headers=headers)
+    return Response(content=found.body, media_type="application/octet-stream", headers=headers)
+
+
 
 
 @get("/v1/artifacts", guards=[read_guard], summary="List artifacts")
@@ -766,6 +796,7 @@ ROUTES = [
     put_blob, head_blob, get_blob,
     post_entry, list_entries, get_entry, get_envelope,
     get_checkpoint, get_log_key, get_inclusion, get_consistency,
+    get_tiles_checkpoint, get_tile,
     list_artifacts, get_artifact, list_records, list_publishers,
     admin_list_keys, admin_add_key, admin_list_tokens, admin_create_token, admin_revoke_token,
 ]
@@ -792,6 +823,13 @@ def create_app(data_dir: Path, settings: RegistrySettings | None = None) -> Lite
             app.state.scrub_roots = sorted({str(data_dir), str(data_dir.resolve())}, key=len, reverse=True)
             app.state.admin_secret_hash = hashlib.sha256(secret.encode("utf-8")).digest()
             app.state.scrubber = None
+            if settings.witnesses:
+                # Submits each new checkpoint to the witnesses in background threads; stopped (and
+                # joined, each at most one bounded request late) before the registry closes.
+                collector = WitnessCollector(registry, witness_targets(settings.witnesses), settings.witness_timeout)
+                registry.on_new_head = collector.notify
+                collector.start()
+                stack.callback(collector.stop)
             if settings.scrub_interval > 0:
                 # Re-hashes every blob each scrub_interval seconds in a low-priority thread,
                 # quarantining rot; the stack stops and joins it before the registry closes.

@@ -30,6 +30,7 @@ from kvgraft.verifier import (
     generate_private_key,
     keyid_of,
     load_private_key,
+    require_ed25519,
     save_private_key,
     save_public_key,
     write_atomic,
@@ -99,10 +100,10 @@ def ensure_registry_key(data: DataDir) -> Ed25519PublicKey:
     """
     path = data.key_path
     if not path.exists():
-        key = generate_private_key()
+        key = generate_private_key("ed25519")
         save_private_key(key, path)
         save_public_key(key.public_key(), data.public_key_path)
-        return key.public_key()
+        return require_ed25519(key.public_key(), f"the registry key {path}")
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
         raise DataDirError(
@@ -110,7 +111,8 @@ def ensure_registry_key(data: DataDir) -> Ed25519PublicKey:
             hint=f"chmod 600 {path}",
         )
     try:
-        public = load_private_key(path).public_key()
+        # Checkpoints are C2SP signed notes, whose keys are Ed25519 only.
+        public = require_ed25519(load_private_key(path).public_key(), "it")
     except KeyFileError as e:
         raise DataDirError(f"the registry key {path} cannot be loaded: {e.message}", hint=e.hint) from e
     if not data.public_key_path.exists():

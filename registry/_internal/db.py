@@ -20,7 +20,7 @@ from typing import Any
 
 import duckdb
 
-from . import search
+from . import cosignatures, search
 from .errors import DatabaseLockedError, DataDirError, SchemaVersionError
 
 logger = logging.getLogger("kvgraft.registry")
@@ -115,6 +115,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     # Search by an index of words, not one substring scan of every text per query word.
     Migration(2, "search index of artifacts' source text words", search.SEARCH_TABLE_DDL, backfill=search.backfill),
+    # Witness cosignatures of the checkpoints (cosignatures.py); none exist before a witness is configured.
+    Migration(3, "witness cosignatures of checkpoints", cosignatures.COSIGNATURES_TABLE_DDL),
 )
 
 _LOCK_PID = re.compile(r"\(PID (\d+)\)")

@@ -196,6 +196,29 @@ class TokenNotFoundError(NotFoundError):
     default_hint = "list the tokens with 'kvgraft token list --data DIR'"
 
 
+class TileNotFoundError(NotFoundError):
+    """A c2sp.org/tlog-tiles path under /tlog/ is malformed, or names a tile the log does not have yet."""
+
+    slug = "tile-not-found"
+    title = "Tile not found"
+    default_hint = (
+        "fetch /tlog/checkpoint first and ask only for the tiles its tree size has: tile/<L>/<N>[.p/<W>] and "
+        "tile/entries/<N>[.p/<W>] (c2sp.org/tlog-tiles)"
+    )
+
+
+class EntryTooLargeForTilesError(TileNotFoundError):
+    """An entry bundle would hold an entry over 65,535 bytes, which tlog-tiles cannot encode.
+
+    The bundle does not exist (as in a static export of the log); the entries are served by the
+    API instead, and the level-0 tile still proves each one's leaf hash.
+    """
+
+    slug = "entry-too-large-for-tiles"
+    title = "Entry too large for a tlog-tiles entry bundle"
+    default_hint = "read the entry at /v1/entries/<index>/envelope and check its leaf hash against the level-0 tile"
+
+
 # --- 409 / 413 / 416 / 422 ---------------------------------------------------------------------
 
 
@@ -432,3 +455,84 @@ def storage_error(exc: BaseException, what: str) -> RegistryError | None:
     ):
         return StorageUnavailableError(f"{what}: the registry's data directory is not writable")
     return None
+
+
+# --- the witness (c2sp.org/tlog-witness add-checkpoint; registry/_internal/witness.py) ---------
+
+
+class AddCheckpointRequestError(BadRequestError):
+    """An add-checkpoint body is malformed: the old size line, a proof line, the blank line, the note."""
+
+    slug = "malformed-add-checkpoint"
+    title = "Malformed add-checkpoint request"
+    default_hint = (
+        "send 'old <size>', up to 63 base64 consistency proof lines, an empty line, then the signed checkpoint "
+        "(c2sp.org/tlog-witness)"
+    )
+
+
+class UnknownLogError(NotFoundError):
+    """The witness is not configured for the checkpoint's origin (or has cosigned nothing for it)."""
+
+    slug = "unknown-log"
+    title = "Unknown log"
+    default_hint = "ask the witness's operator to add the log's vkey (kvgraft witness serve --log VKEY)"
+
+
+class CheckpointSignatureError(RegistryError):
+    """The checkpoint carries no valid signature by a key the witness trusts for its origin."""
+
+    status_code = 403
+    slug = "checkpoint-signature"
+    title = "Checkpoint not signed by the log"
+    default_hint = "sign the checkpoint with the log key the witness was configured with"
+
+
+class OldSizeConflictError(RegistryError):
+    """The old size is not the size of the last checkpoint the witness cosigned for the log.
+
+    Answered 409 with ``Content-Type: text/x.tlog.size`` and that size (decimal, newline) as the
+    body, as c2sp.org/tlog-witness requires, not as a problem document.
+    """
+
+    status_code = 409
+    slug = "old-size-mismatch"
+    title = "Old size does not match"
+    default_hint = "send the consistency proof from the size in this answer"
+
+    def __init__(self, message: str, *, size: int, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint, extra={"size": size})
+        self.size = size
+
+
+class InconsistentCheckpointError(RegistryError):
+    """The checkpoint is not proved to extend the one the witness last cosigned (a fork, a bad proof)."""
+
+    status_code = 422
+    slug = "inconsistent-checkpoint"
+    title = "Checkpoint does not extend the witnessed one"
+    default_hint = (
+        "send a consistency proof from the witness's size to this checkpoint's; if the log cannot produce one, "
+        "it forked or was rolled back"
+    )
+
+
+class WitnessStateError(DataDirError):
+    """The witness's state directory cannot be used: locked by another witness, unreadable, or damaged."""
+
+    slug = "witness-state"
+    title = "Witness state unusable"
+    default_hint = "check the witness's --state directory; restore a damaged file from a backup, never edit it"
+
+
+class WitnessSubmissionError(RegistryError):
+    """A witness did not cosign the registry's checkpoint (unreachable, refused, or a bad answer).
+
+    Raised and logged by the background collector only (registry/_internal/cosignatures.py): it
+    never reaches an HTTP answer, and publishing never waits for it.
+    """
+
+    status_code = 502
+    slug = "witness-submission"
+    title = "Witness did not cosign"
+    default_hint = "check that the witness runs and watches this log (kvgraft witness serve --log VKEY); it is retried"

@@ -40,6 +40,7 @@ from kvgraft.verifier import (
     keyid_of,
     load_private_key,
     load_public_key,
+    require_ed25519,
     verify_checkpoint,
 )
 
@@ -151,7 +152,7 @@ def fsck(root: Path, *, quarantine: bool = True) -> FsckReport:
             hint="pass the directory given to 'kvgraft serve --data'",
         )
     report = FsckReport(data=root)
-    conn = _open_read_only(root)
+    conn = open_read_only(root)
     try:
         store = BlobStore(root / "blobs")
         quarantine_dir = root / "blobs" / "quarantine"
@@ -177,7 +178,18 @@ def fsck(root: Path, *, quarantine: bool = True) -> FsckReport:
     return report
 
 
-def _open_read_only(root: Path) -> duckdb.DuckDBPyConnection:
+_FSCK_BUSY_HINT = (
+    "stop the server and run 'kvgraft fsck' again; while it runs, 'kvgraft serve --scrub-interval "
+    "SECONDS' re-hashes its blobs in the background and it re-checks every small blob it serves"
+)
+
+
+def open_read_only(root: Path, *, command: str = "fsck", busy_hint: str = _FSCK_BUSY_HINT) -> duckdb.DuckDBPyConnection:
+    """The registry database of ``root``, opened read-only and held until closed, for ``command``.
+
+    DuckDB lets no other process open the file meanwhile, so no server starts and writes under
+    the reader; a running server holds it, and this raises ``DatabaseLockedError`` with ``busy_hint``.
+    """
     path = root / DB_FILE
     try:
         conn = duckdb.connect(str(path), read_only=True)
@@ -186,9 +198,8 @@ def _open_read_only(root: Path) -> duckdb.DuckDBPyConnection:
             pid = _LOCK_PID.search(str(e))
             holder = f"process {pid.group(1)}" if pid else "another process"
             raise DatabaseLockedError(
-                f"the registry database {path} is in use by {holder} (a running server?); fsck needs it to itself",
-                hint="stop the server and run 'kvgraft fsck' again; while it runs, 'kvgraft serve --scrub-interval "
-                "SECONDS' re-hashes its blobs in the background and it re-checks every small blob it serves",
+                f"the registry database {path} is in use by {holder} (a running server?); {command} needs it to itself",
+                hint=busy_hint,
                 extra={"pid": int(pid.group(1)) if pid else None},
             ) from e
         raise DataDirError(f"cannot open the registry database {path} read-only: {e}") from e
@@ -284,9 +295,9 @@ def _statement_blobs(envelope: bytes) -> tuple[set[tuple[str, str]], list[str]]:
 def _registry_public_key(root: Path, conn: duckdb.DuckDBPyConnection, report: FsckReport) -> Ed25519PublicKey | None:
     try:
         if (root / PUBLIC_KEY_FILE).is_file():
-            public = load_public_key(root / PUBLIC_KEY_FILE)
+            public = require_ed25519(load_public_key(root / PUBLIC_KEY_FILE), f"the registry key {PUBLIC_KEY_FILE}")
         else:
-            public = load_private_key(root / KEY_FILE).public_key()
+            public = require_ed25519(load_private_key(root / KEY_FILE).public_key(), f"the registry key {KEY_FILE}")
     except (KeyFileError, OSError) as e:
         detail = e.message if isinstance(e, KeyFileError) else str(e)
         report.damaged.append(

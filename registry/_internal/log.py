@@ -17,11 +17,14 @@ from kvgraft.verifier import (
     Checkpoint,
     MerkleTree,
     SigningKey,
+    Tile,
     consistency_proof_document,
     format_vkey,
     hash_leaf,
     inclusion_proof_document,
+    require_ed25519,
     sign_checkpoint,
+    tile_data,
     verify_checkpoint,
 )
 
@@ -45,12 +48,14 @@ class TransparencyLog:
     def __init__(self, origin: str, signing_key: SigningKey, leaf_hashes: list[bytes]) -> None:
         self.origin = origin
         self._key = signing_key
+        # Checkpoints are C2SP signed notes, whose keys are Ed25519 only: refuse another key at start.
+        self._public = require_ed25519(signing_key.public_key, "the registry key")
         self._tree = MerkleTree(leaf_hashes)
 
     @property
     def public_key(self) -> Ed25519PublicKey:
         """The key checkpoints are signed with."""
-        return self._key.public_key
+        return self._public
 
     @property
     def size(self) -> int:
@@ -60,6 +65,10 @@ class TransparencyLog:
     def root(self, size: int | None = None) -> bytes:
         """The root hash of the first ``size`` leaves (default all)."""
         return self._tree.root(size)
+
+    def tile(self, tile: Tile) -> bytes:
+        """The bytes of a c2sp.org/tlog-tiles hash tile (``tile.min_tree_size <= size``), from the tree as kept."""
+        return tile_data(self._tree, tile)
 
     def sign(self, size: int | None = None) -> LogHead:
         """Sign the checkpoint of the first ``size`` leaves (default all)."""

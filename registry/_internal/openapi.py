@@ -47,6 +47,7 @@ from kvgraft.schemas import (
     PublisherList,
 )
 
+from .cosignatures import MAX_WITNESSES
 from .entries import KINDS, RECORD_KINDS
 from .settings import RegistrySettings
 
@@ -124,6 +125,9 @@ def _parameter_schema(name: str, settings: RegistrySettings) -> dict[str, Any] |
         return {"type": "integer", "minimum": 1, "maximum": settings.max_page_limit}
     if name in ("tree_size", "index", "old", "new"):
         return dict(_INT64)
+    if name == "witnessed":
+        # How many witness cosignatures the checkpoint must carry (cosignatures.py).
+        return {"type": "integer", "minimum": 0, "maximum": MAX_WITNESSES}
     if name == "q":
         return {"type": "string", "maxLength": settings.max_query_length}
     if name == "parent":

@@ -448,6 +448,26 @@ def envelopes(db: Database, log_indices: Iterable[int]) -> dict[int, bytes]:
     return _bytes_by(db, "entries", "log_index", "envelope", log_indices)
 
 
+def envelopes_between(db: Database, start: int, end: int) -> list[StoredEnvelope]:
+    """The envelopes of entries ``start`` to ``end - 1`` as logged, in log order (a tlog-tiles entry bundle)."""
+    rows = db.query(
+        "SELECT log_index, digest, envelope FROM entries WHERE log_index >= ? AND log_index < ? ORDER BY log_index",
+        [start, end],
+    )
+    return [StoredEnvelope(int(i), str(d), bytes(e)) for i, d, e in rows]
+
+
+def envelopes_longer_than(db: Database, start: int, end: int, limit: int) -> list[tuple[int, int]]:
+    """``(log_index, size)`` of entries ``start`` to ``end - 1`` whose envelope is over ``limit`` bytes,
+    in log order (sizes only: no envelope is read)."""
+    rows = db.query(
+        "SELECT log_index, octet_length(envelope) FROM entries WHERE log_index >= ? AND log_index < ? "
+        "AND octet_length(envelope) > ? ORDER BY log_index",
+        [start, end, limit],
+    )
+    return [(int(i), int(n)) for i, n in rows]
+
+
 def exactness_companions(db: Database, log_index: int, limit: int = 6) -> list[StoredEnvelope]:
     """Other exactness records over any prefix artifact of the exactness record at ``log_index``, in log order."""
     rows = db.query(

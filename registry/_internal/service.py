@@ -25,7 +25,7 @@ import contextlib
 import hashlib
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from kvgraft.verifier import (
 from . import queries, search
 from .accounts import Accounts, TokenInfo
 from .blobs import BlobStore, parse_digest_ref
+from .cosignatures import CosignatureStore
 from .datadir import (
     SIGNED_HEAD_FILE,
     DataDir,
@@ -152,6 +153,11 @@ class Registry:
         self.accounts = Accounts(db)
         self.rate_limiter = RateLimiter(settings.rate_limit, settings.rate_burst)
         self._head = head
+        #: Witness cosignatures of the checkpoints (cosignatures.py), served on every checkpoint note.
+        self.cosignatures = CosignatureStore(db)
+        #: Called (without the lock) each time a new checkpoint is durable and announced: the app
+        #: wakes its witness collector with it. Must not block.
+        self.on_new_head: Callable[[], None] | None = None
 
     @classmethod
     @contextlib.contextmanager
@@ -198,11 +204,29 @@ class Registry:
         with self.db.lock:
             return self._head
 
-    def checkpoint(self, tree_size: int | None = None) -> bytes:
-        """The signed checkpoint note at ``tree_size`` (default: the latest)."""
+    def checkpoint(self, tree_size: int | None = None, *, witnessed: int | None = None) -> bytes:
+        """The signed checkpoint note at ``tree_size`` (default: the latest), with the witness
+        cosignature lines stored for it; with ``witnessed``, the newest checkpoint (up to
+        ``tree_size`` when given, and then that one) cosigned by at least that many witness keys
+        (404 when there is none)."""
         head = self.head
-        if tree_size is None:
-            return head.note
+        if witnessed is not None:
+            newest = head.size if tree_size is None else min(tree_size, head.size)
+            size = newest if witnessed == 0 else self.cosignatures.newest_witnessed(witnessed, newest)
+            if tree_size is not None and size != tree_size:
+                raise NotFoundError(
+                    f"the checkpoint at tree size {tree_size} is not cosigned by {witnessed} witness(es)",
+                    hint="ask without tree_size for the newest checkpoint that is",
+                )
+            if size is None:
+                raise NotFoundError(
+                    f"no checkpoint of this log is cosigned by {witnessed} witness(es) yet",
+                    hint="retry in a moment: witnesses cosign in the background; ask for fewer, or ask the operator "
+                    "which witnesses the registry submits to (kvgraft serve --witness)",
+                )
+            tree_size = size
+        if tree_size is None or tree_size == head.size:
+            return head.note + self.cosignatures.lines(head.size)
         # Checked before the query: DuckDB refuses integers past 128 bits with an error of its own.
         note = queries.checkpoint_note(self.db, tree_size) if 0 <= tree_size <= head.size else None
         if note is None:
@@ -210,7 +234,7 @@ class Registry:
                 f"no checkpoint was signed at tree size {tree_size} (the log has {head.size} entries)",
                 hint="ask for a size between 0 and the latest checkpoint's",
             )
-        return note
+        return note + self.cosignatures.lines(tree_size)
 
     def log_key(self) -> dict[str, Any]:
         """The registry's public key and origin."""
@@ -394,6 +418,8 @@ class Registry:
             what = "the entry was recorded but its signed tree head could not be saved"
             raise storage_error(e, what) or SignedHeadWriteError(f"{what} ({e.strerror})") from e
         self._head = head
+        if self.on_new_head is not None:
+            self.on_new_head()
         return index
 
     # --- reading entries -------------------------------------------------------------------
@@ -431,7 +457,7 @@ class Registry:
             return {
                 "entry": self._render([row])[0],
                 "inclusion_proof": self.log.inclusion(index, head.size),
-                "checkpoint": head.note.decode("utf-8"),
+                "checkpoint": (head.note + self.cosignatures.lines(head.size)).decode("utf-8"),
             }
 
     def entry(self, ref: str) -> dict[str, Any]:
@@ -494,7 +520,7 @@ class Registry:
                 "envelope": parse_json(envelope_bytes, what="stored envelope"),
                 "lineage": self._lineage(first),
                 "inclusion_proof": self.log.inclusion(first.log_index, head.size),
-                "checkpoint": head.note.decode("utf-8"),
+                "checkpoint": (head.note + self.cosignatures.lines(head.size)).decode("utf-8"),
             }
         return document
 

@@ -30,6 +30,8 @@ DEFAULT_MAX_JSON_DEPTH = 64
 DEFAULT_VERIFY_CACHE_ENTRIES = 4096
 #: Blobs at most this large are re-hashed each time they are served (blob rot is caught at once).
 DEFAULT_VERIFY_ON_READ_BYTES = 1024 * 1024
+#: Seconds one add-checkpoint request to a witness may take (it answers in milliseconds when up).
+DEFAULT_WITNESS_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,11 @@ class RegistrySettings:
     #: The registry's own public base URL (e.g. ``https://registry.example``), used in the commands
     #: the pages tell users to paste; never taken from the request's ``Host`` header.
     public_url: str | None = None
+    #: Witnesses to collect cosignatures from: (witness vkey, submission prefix URL) pairs
+    #: (``kvgraft serve --witness VKEY=URL``; docs/witness.md). Checked when the app starts.
+    witnesses: tuple[tuple[str, str], ...] = ()
+    #: Seconds one add-checkpoint request to a witness may take.
+    witness_timeout: float = DEFAULT_WITNESS_TIMEOUT
 
     def __post_init__(self) -> None:
         for name in (
@@ -105,5 +112,11 @@ class RegistrySettings:
             raise ValueError(f"RegistrySettings.verify_on_read_bytes must be an int >= 0, got {self.verify_on_read_bytes!r}")
         if isinstance(self.scrub_interval, bool) or not isinstance(self.scrub_interval, int | float) or not 0 <= self.scrub_interval < float("inf"):
             raise ValueError(f"RegistrySettings.scrub_interval must be a finite number >= 0, got {self.scrub_interval!r}")
+        if not isinstance(self.witnesses, tuple) or not all(
+            isinstance(w, tuple) and len(w) == 2 and all(isinstance(x, str) and x for x in w) for w in self.witnesses
+        ):
+            raise ValueError("RegistrySettings.witnesses must be a tuple of (vkey, url) string pairs")
+        if isinstance(self.witness_timeout, bool) or not isinstance(self.witness_timeout, int | float) or not 0 < self.witness_timeout < float("inf"):
+            raise ValueError(f"RegistrySettings.witness_timeout must be a finite number > 0, got {self.witness_timeout!r}")
         if self.default_page_limit > self.max_page_limit:
             raise ValueError("RegistrySettings.default_page_limit must not exceed max_page_limit")

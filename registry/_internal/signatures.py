@@ -23,6 +23,8 @@ from kvgraft.verifier import (
     TrustedKey,
     TrustedKeys,
     VerificationError,
+    key_type_label,
+    key_type_of,
     parse_envelope,
     parse_public_key,
     trusted_key,
@@ -172,8 +174,6 @@ def _verify_now(envelope_bytes: bytes, publisher: str, key_rows: KeyRows, max_si
     except VerificationError as e:
         return SignatureStatus(publisher, False, [], claimed, e.message, e.hint or "", registered)
     signers = [{"name": publisher, "keyid": k.keyid} for k in verified.signers]
-    names = ", ".join(short_digest(k.keyid, 16) for k in verified.signers)
-    message = (
-        f"Ed25519 signature over the DSSE payload verified by this server with {publisher}'s registered key {names}"
-    )
+    names = ", ".join(f"{short_digest(k.keyid, 16)} ({key_type_label(key_type_of(k.public_key))})" for k in verified.signers)
+    message = f"signature over the DSSE payload verified by this server with {publisher}'s registered key {names}"
     return SignatureStatus(publisher, True, signers, claimed, message, "", registered)

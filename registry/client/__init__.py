@@ -11,6 +11,9 @@ service answers with), strictly: an answer of the wrong shape is one ``RegistryR
 
 Blobs stream both ways in 1 MiB chunks, so memory stays flat in the blob size. The registry key
 is either pinned (a PEM file) or fetched from ``/v1/log/key`` and reported as trust on first use.
+With a witness policy (``RegistryClient(witness_policy=...)``, ``witness_policy_from``:
+``--witness-policy`` or ``$KVGRAFT_WITNESS_POLICY``, docs/witness.md) every checkpoint must also
+carry the witness cosignatures its quorum needs (``UnwitnessedCheckpointError`` otherwise).
 
 Nor are the registry's sizes and pace trusted (``ClientLimits``): every request has one total
 deadline, JSON answers, blobs and listings are bounded, and every checkpoint verified is
@@ -52,8 +55,17 @@ from .errors import (
     RegistryResponseError,
     RegistryUnavailableError,
     ResponseTooLargeError,
+    UnwitnessedCheckpointError,
 )
-from .evidence import NO_MEMORY, CheckpointMemory, RegistryKey, RememberedHead, registry_key
+from .evidence import (
+    NO_MEMORY,
+    WITNESS_POLICY_ENV,
+    CheckpointMemory,
+    RegistryKey,
+    RememberedHead,
+    registry_key,
+    witness_policy_from,
+)
 from .http import (
     CHUNK,
     DEFAULT_MAX_BLOB_BYTES,
@@ -65,6 +77,7 @@ from .http import (
     DEFAULT_MAX_PROBLEM_BYTES,
     DEFAULT_MIN_RATE,
     DEFAULT_TIMEOUT,
+    DEFAULT_WITNESS_WAIT,
     PAGE_LIMIT,
     ClientLimits,
     Progress,
@@ -98,4 +111,5 @@ __all__ = [
     "RegistryResponseError", "RegistryUnavailableError", "RememberedHead", "ResponseTooLargeError", "STATEMENT_FILE",
     "commit", "envelope_file", "find_local_artifact", "kvgraft_home", "local_write_error", "mirror", "parse_json_answer",
     "publish", "pull", "read_local", "registry_key", "safe_path", "stage", "statement_of",
+    "DEFAULT_WITNESS_WAIT", "UnwitnessedCheckpointError", "WITNESS_POLICY_ENV", "witness_policy_from",
 ]

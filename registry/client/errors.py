@@ -16,7 +16,8 @@ Every failure of the client is one of these (each a ``kvgraft.KvgraftError``: on
     ├── ParentNotPublishedError
     ├── BlobDigestError                bytes that hash to another digest than asked for
     ├── EvidenceError                  a signature, proof, leaf hash or statement that does not hold
-    │   └── LogForkError               a checkpoint that does not extend the remembered one
+    │   ├── LogForkError               a checkpoint that does not extend the remembered one
+    │   └── UnwitnessedCheckpointError a checkpoint without the cosignatures a witness policy needs
     ├── EnvelopeSignatureError         a pulled envelope not signed by the trusted keys
     └── MirrorDivergedError            the target's log is not a prefix of the source's
 """
@@ -140,6 +141,16 @@ class LogForkError(EvidenceError):
     default_hint = (
         "do not use this registry's answers: report both checkpoints to its operator. Only if the "
         "operator confirms the log was deliberately reset, remove the remembered checkpoint file named here"
+    )
+
+
+class UnwitnessedCheckpointError(EvidenceError):
+    """No checkpoint the registry serves carries the witness cosignatures the client's policy
+    requires (``--witness-policy``), within the time the client waits for witnesses to catch up."""
+
+    default_hint = (
+        "the witnesses have not cosigned this registry's tree: they are behind (retry later, or raise --witness-wait), "
+        "or they refused it because it does not extend the tree they saw (a fork or a rollback): do not trust it"
     )
 
 

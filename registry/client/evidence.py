@@ -6,6 +6,13 @@ hash against its envelope, its inclusion proof against a checkpoint signed by th
 and every checkpoint against the newest one this machine verified before for the same log
 (``CheckpointMemory``, under ``$KVGRAFT_HOME``): one that does not provably extend it (RFC 9162
 consistency proof) is refused, as Go's sumdb client refuses a forked checksum database.
+
+With a witness policy (``--witness-policy FILE`` or ``$KVGRAFT_WITNESS_POLICY``: a
+c2sp.org/tlog-policy file, docs/witness.md), a checkpoint counts only when it also carries valid
+cosignatures from the witnesses the policy's quorum needs (``RegistryKey.verify``); the client asks
+the registry for such a checkpoint (``/v1/log/checkpoint?witnessed=K``), proves entries against it,
+and remembers only those. A past checkpoint is accepted when it is signed by the log and proved a
+prefix of a witnessed one. A registry that forks its log then needs the witnesses to collude.
 """
 
 from __future__ import annotations
@@ -27,14 +34,19 @@ from kvgraft.schemas import EntryMeta, InclusionProof, kvgraft_home, write_atomi
 from kvgraft.verifier import (
     Checkpoint,
     VerificationError,
+    WitnessPolicy,
+    WitnessQuorumError,
     hash_leaf,
     keyid_of,
     load_public_key,
+    load_witness_policy,
     parse_public_key,
     public_key_pem,
+    require_ed25519,
     verify_checkpoint,
     verify_consistency,
     verify_inclusion,
+    verify_witnessed,
 )
 
 from .errors import (
@@ -43,6 +55,7 @@ from .errors import (
     LocalFilesError,
     LogForkError,
     RegistryResponseError,
+    UnwitnessedCheckpointError,
     malformed,
 )
 
@@ -65,6 +78,8 @@ class RegistryKey:
     pinned: bool
     #: The PEM file, or the URL the key was fetched from.
     source: str
+    #: When set, a checkpoint must also meet this witness policy's quorum to be accepted.
+    policy: WitnessPolicy | None = None
 
     @property
     def keyid(self) -> str:
@@ -78,11 +93,12 @@ class RegistryKey:
 
     def describe(self) -> str:
         """One phrase for the output."""
+        witnessed = "" if self.policy is None else f", cosigned as {self.policy.source} requires ({self.policy.describe()})"
         if self.pinned:
-            return f"registry key {self.keyid[:16]} (pinned: {self.source})"
+            return f"registry key {self.keyid[:16]} (pinned: {self.source}){witnessed}"
         return (
             f"registry key {self.keyid[:16]} fetched from {self.source} (trust on first use: "
-            "save its public_key_pem and pass --registry-key to pin it)"
+            f"save its public_key_pem and pass --registry-key to pin it){witnessed}"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -93,15 +109,41 @@ class RegistryKey:
             "trust": self.trust,
             "source": self.source,
             "public_key_pem": public_key_pem(self.public_key).decode("ascii"),
+            "witness_policy": None if self.policy is None else {
+                "source": self.policy.source,
+                "quorum": self.policy.describe(),
+                "min_cosignatures": self.policy.min_cosignatures(),
+            },
         }
 
-    def verify(self, note: bytes, url: str) -> Checkpoint:
-        """Verify a signed checkpoint note served by ``url``; return the checkpoint."""
+    def _name(self, note: bytes) -> str:
         # Without a known origin the note's own first line names the key; a note signed by
         # anything but this key fails whatever it claims.
-        name = self.origin or note.split(b"\n", 1)[0].decode("utf-8", "replace")
+        return self.origin or note.split(b"\n", 1)[0].decode("utf-8", "replace")
+
+    def verify(self, note: bytes, url: str) -> Checkpoint:
+        """Verify a checkpoint note served by ``url``: signed by this key and, with a witness
+        policy, cosigned as its quorum requires (``UnwitnessedCheckpointError`` otherwise)."""
+        if self.policy is None:
+            return self.verify_signed(note, url)
         try:
-            return verify_checkpoint(note, name, self.public_key, origin=self.origin)
+            witnessed = verify_witnessed(note, self._name(note), self.public_key, self.policy)
+        except WitnessQuorumError as e:
+            raise UnwitnessedCheckpointError(f"the checkpoint from {url} is not witnessed enough: {e.message}") from e
+        except VerificationError as e:
+            raise EvidenceError(
+                f"the checkpoint from {url} does not verify with {self.describe()}: {e.message}",
+                hint="pass the right --registry-key; if it is right, the registry's log or its cosignatures were tampered with",
+            ) from e
+        if self.origin is not None and witnessed.checkpoint.origin != self.origin:
+            raise EvidenceError(f"the checkpoint from {url} is for log {witnessed.checkpoint.origin!r}, not {self.origin!r}")
+        return witnessed.checkpoint
+
+    def verify_signed(self, note: bytes, url: str) -> Checkpoint:
+        """Verify that a checkpoint note served by ``url`` is signed by this key (cosignatures
+        ignored: for a past checkpoint the caller proves a prefix of a witnessed one)."""
+        try:
+            return verify_checkpoint(note, self._name(note), self.public_key, origin=self.origin)
         except VerificationError as e:
             raise EvidenceError(
                 f"the checkpoint from {url} does not verify with {self.describe()}: {e.message}",
@@ -113,7 +155,8 @@ def registry_key(client: RegistryClient, pem: Path | None) -> RegistryKey:
     """The registry key: the PEM file ``pem`` (pinned), else the registry's own (trust on first use)."""
     if pem is not None:
         try:
-            return RegistryKey(load_public_key(pem), None, True, str(pem))
+            key = require_ed25519(load_public_key(pem), f"the registry key {pem}")
+            return RegistryKey(key, None, True, str(pem), client.witness_policy)
         except VerificationError as e:
             raise LocalFilesError(
                 f"--registry-key: {e.message}", hint="pass the registry's registry-key.pub.pem"
@@ -121,10 +164,31 @@ def registry_key(client: RegistryClient, pem: Path | None) -> RegistryKey:
     doc = client.log_key()
     url = client.url + "/v1/log/key"
     try:
-        key = parse_public_key(doc.public_key_pem.encode("ascii", "replace"), source=f"the public key from {url}")
+        source = f"the public key from {url}"
+        key = require_ed25519(parse_public_key(doc.public_key_pem.encode("ascii", "replace"), source=source), source)
     except VerificationError as e:
         raise malformed(url, e.message) from e
-    return RegistryKey(key, doc.origin, False, url)
+    return RegistryKey(key, doc.origin, False, url, client.witness_policy)
+
+
+#: The environment variable naming the witness policy file when ``--witness-policy`` is not given.
+WITNESS_POLICY_ENV = "KVGRAFT_WITNESS_POLICY"
+
+
+def witness_policy_from(path: Path | None) -> WitnessPolicy | None:
+    """The witness policy of ``path``, else of ``$KVGRAFT_WITNESS_POLICY`` when set, else None.
+
+    Raises ``LocalFilesError`` (one line, naming the file and line) when the policy is unusable.
+    """
+    if path is None:
+        named = os.environ.get(WITNESS_POLICY_ENV)
+        if not named:
+            return None
+        path = Path(named)
+    try:
+        return load_witness_policy(path)
+    except VerificationError as e:
+        raise LocalFilesError(f"--witness-policy: {e.message}", hint=e.hint) from e
 
 
 # --- proofs ------------------------------------------------------------------------------------
@@ -176,7 +240,10 @@ def verify_entry_evidence(
     """Check that ``envelope`` is ``entry``, and is its leaf in the signed checkpoint ``note``.
 
     Returns (log index, checkpoint). Every registry claim is checked against the bytes, and the
-    checkpoint against the one remembered for this log (``RegistryClient.remember``).
+    checkpoint against the one remembered for this log (``RegistryClient.remember``). With a
+    witness policy on ``key`` the entry is proved instead against the newest witnessed checkpoint
+    that holds it (``RegistryClient.witnessed_head``, waiting a bounded time for the witnesses),
+    with an inclusion proof fetched at that checkpoint's size.
     """
     digest, index = entry.digest, entry.log_index
     got = "sha256:" + hashlib.sha256(envelope).hexdigest()
@@ -187,10 +254,15 @@ def verify_entry_evidence(
         raise EvidenceError(
             f"{url} says entry {index}'s leaf hash is {entry.leaf_hash}, but SHA-256(0x00 || envelope) is {leaf.hex()}"
         )
-    note_bytes = note.encode("utf-8")
-    head = key.verify(note_bytes, url)
-    # Served beside an entry, it may be a moment old: a smaller size must be proved a prefix.
-    client.remember(key, head, note_bytes, latest=False)
+    if key.policy is not None:
+        # The checkpoint beside the entry may not be cosigned yet (it is a publish's own, say).
+        head, _ = client.witnessed_head(key, min_size=index + 1)
+        proof = client.inclusion_proof(index, head.size)
+    else:
+        note_bytes = note.encode("utf-8")
+        head = key.verify(note_bytes, url)
+        # Served beside an entry, it may be a moment old: a smaller size must be proved a prefix.
+        client.remember(key, head, note_bytes, latest=False)
     if proof.log_index != index or proof.tree_size != head.size:
         raise EvidenceError(
             f"{url}: the inclusion proof is for entry {proof.log_index} at tree size {proof.tree_size}, "

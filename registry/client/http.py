@@ -42,7 +42,7 @@ from kvgraft.schemas import (
     SchemaError,
     parse_sha256,
 )
-from kvgraft.verifier import Checkpoint
+from kvgraft.verifier import Checkpoint, WitnessPolicy
 
 from .errors import (
     BlobDigestError,
@@ -55,6 +55,7 @@ from .errors import (
     RegistryResponseError,
     RegistryUnavailableError,
     ResponseTooLargeError,
+    UnwitnessedCheckpointError,
     malformed,
     malformed_document,
 )
@@ -88,6 +89,12 @@ DEFAULT_MIN_RATE = 1 << 20
 #: The most pages and items one listing may take; past them the listing stops with an error.
 DEFAULT_MAX_PAGES = 100_000
 DEFAULT_MAX_ITEMS = 1_000_000
+#: Seconds a client with a witness policy waits for a checkpoint holding its entry to be cosigned
+#: (``--witness-wait``): witnesses cosign within moments of a publish when they are up.
+DEFAULT_WITNESS_WAIT = 30.0
+#: The first and the longest pause between two asks for a witnessed checkpoint.
+_WITNESS_POLL_FIRST = 0.25
+_WITNESS_POLL_MAX = 2.0
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -369,6 +376,9 @@ class RegistryClient:
     answer (``timeout``, when given, replaces ``limits.timeout``). ``memory`` remembers the
     newest checkpoint verified per log and refuses one that does not extend it: by default
     (None) ``CheckpointMemory.default()``, under ``$KVGRAFT_HOME``; ``NO_MEMORY`` turns it off.
+    ``witness_policy``, when given, is the quorum of witness cosignatures every checkpoint this
+    client accepts must carry (``registry_key`` puts it on the key); ``witness_wait`` bounds how
+    long it waits for the witnesses to cosign a checkpoint that holds a given entry.
 
     JSON answers come back as the wire models of ``kvgraft.schemas`` (``LogKey``,
     ``EntryDocument``, ...); listings yield each item as the registry sent it (a dict with at
@@ -384,6 +394,8 @@ class RegistryClient:
         transport: httpx.BaseTransport | None = None,
         limits: ClientLimits | None = None,
         memory: CheckpointMemory | None | type[_NoMemory] = None,
+        witness_policy: WitnessPolicy | None = None,
+        witness_wait: float = DEFAULT_WITNESS_WAIT,
     ) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -395,6 +407,12 @@ class RegistryClient:
         if timeout is not None:
             limits = dataclasses.replace(limits, timeout=timeout)
         self.limits = limits
+        if not (math.isfinite(witness_wait) and witness_wait >= 0):
+            raise RegistryClientError(
+                f"witness wait {witness_wait} is not a number of seconds >= 0", hint="pass --witness-wait S with S >= 0"
+            )
+        self.witness_policy = witness_policy
+        self.witness_wait = witness_wait
         self.memory: CheckpointMemory | None = (
             CheckpointMemory.default() if memory is None else None if memory is NO_MEMORY else memory  # type: ignore[assignment]
         )
@@ -529,23 +547,85 @@ class RegistryClient:
         """``GET /v1/log/key``: origin, public key PEM, key id, note verifier key, tree size."""
         return self._document(LogKey, "/v1/log/key", "the log key")[1]
 
-    def checkpoint(self, tree_size: int | None = None) -> bytes:
-        """The signed checkpoint note, latest or at ``tree_size``, byte for byte as served (unchecked:
-        see ``signed_head``)."""
+    def checkpoint(self, tree_size: int | None = None, *, witnessed: int | None = None) -> bytes:
+        """The signed checkpoint note, latest, at ``tree_size``, or the newest cosigned by at least
+        ``witnessed`` witnesses, byte for byte as served (unchecked: see ``signed_head``)."""
         params = {} if tree_size is None else {"tree_size": tree_size}
+        if witnessed is not None:
+            params["witnessed"] = witnessed
         return self._request(
             "GET", "/v1/log/checkpoint", params=params, limit=self.limits.max_note_bytes, what="a checkpoint"
         )[1]
 
     def signed_head(self, key: RegistryKey, tree_size: int | None = None) -> tuple[Checkpoint, bytes]:
         """The checkpoint (latest, or at ``tree_size``) verified with ``key`` and against the
-        remembered one (``CheckpointMemory``): (checkpoint, note bytes as served)."""
+        remembered one (``CheckpointMemory``): (checkpoint, note bytes as served).
+
+        With a witness policy on ``key`` the latest is the newest *witnessed* checkpoint
+        (``witnessed_head``), and one at ``tree_size`` must be signed by the log and either meet the
+        policy itself or be proved (consistency proof) a prefix of the newest witnessed one.
+        """
+        if key.policy is not None:
+            return self._witnessed_signed_head(key, tree_size)
         note = self.checkpoint(tree_size)
         head = key.verify(note, self.url + "/v1/log/checkpoint")
         if tree_size is not None and head.size != tree_size:
             raise EvidenceError(f"{self.url} answered for its checkpoint at size {tree_size} with size {head.size}")
         self.remember(key, head, note, latest=tree_size is None)
         return head, note
+
+    def _witnessed_signed_head(self, key: RegistryKey, tree_size: int | None) -> tuple[Checkpoint, bytes]:
+        witnessed, witnessed_note = self.witnessed_head(key)
+        if tree_size is None or tree_size == witnessed.size:
+            return witnessed, witnessed_note
+        url = self.url + "/v1/log/checkpoint"
+        note = self.checkpoint(tree_size)
+        head = key.verify_signed(note, url) if tree_size < witnessed.size else key.verify(note, url)
+        if head.size != tree_size:
+            raise EvidenceError(f"{self.url} answered for its checkpoint at size {tree_size} with size {head.size}")
+        if head.size < witnessed.size:
+            # Signed by the log, and a prefix of a tree the witnesses vouch for: as good as witnessed.
+            self.verify_extends(head, witnessed)
+        self.remember(key, head, note, latest=False)
+        return head, note
+
+    def witnessed_head(self, key: RegistryKey, *, min_size: int = 0) -> tuple[Checkpoint, bytes]:
+        """The newest checkpoint meeting ``key``'s witness policy, of at least ``min_size`` entries.
+
+        Asks ``/v1/log/checkpoint?witnessed=K`` (K: the fewest cosignatures the quorum can be met
+        with) until the answer is at least ``min_size`` and meets the policy, for at most
+        ``witness_wait`` seconds; then ``UnwitnessedCheckpointError`` saying what it got. The
+        checkpoint is checked against the remembered one and remembered (as a past head: the
+        registry may hold newer, not yet witnessed ones).
+        """
+        policy = key.policy
+        if policy is None:
+            raise RegistryClientError("witnessed_head needs a key with a witness policy", hint="this is a bug in kvgraft")
+        url = self.url + "/v1/log/checkpoint"
+        deadline = time.monotonic() + self.witness_wait
+        pause = _WITNESS_POLL_FIRST
+        while True:
+            try:
+                note = self.checkpoint(witnessed=policy.min_cosignatures())
+                head = key.verify(note, url)
+                if head.size >= min_size:
+                    self.remember(key, head, note, latest=False)
+                    return head, note
+                why = (
+                    f"the newest checkpoint cosigned as {policy.source} requires is at tree size {head.size}, and "
+                    f"entry {min_size - 1} needs one of at least {min_size}"
+                )
+            except RegistryNotFoundError as e:
+                why = f"it holds no checkpoint cosigned by {policy.min_cosignatures()} witness(es) ({e.message})"
+            except UnwitnessedCheckpointError as e:
+                why = e.message
+            if time.monotonic() + pause > deadline:
+                raise UnwitnessedCheckpointError(
+                    f"{self.url} serves no checkpoint that meets the witness policy's quorum, {policy.describe()}, "
+                    f"after waiting {self.witness_wait:g} s: {why}"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, _WITNESS_POLL_MAX)
 
     def remember(self, key: RegistryKey, head: Checkpoint, note: bytes, *, latest: bool) -> None:
         """Check a verified checkpoint against the remembered one and remember it when newer.

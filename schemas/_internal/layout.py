@@ -42,9 +42,14 @@ from .statement import Statement
 
 # --- file names --------------------------------------------------------------------------------
 
-#: An artifact directory holds exactly these two files.
+#: An artifact directory holds exactly these two files (and optionally ``MODEL_SIG_FILE``).
 KV_FILE = "kv.safetensors"
 STATEMENT_FILE = "statement.dsse.json"
+#: An OpenSSF model signing signature of the whole directory (``kvgraft oms sign``, or
+#: ``model_signing sign key``): any artifact, record or library-entry directory may hold it beside
+#: its files; the subjects check passes over it, ``kvgraft-verify oms`` checks it
+#: (docs/model-signing.md).
+MODEL_SIG_FILE = "model.sig"
 
 #: A record directory holds its envelope, the subjects it names, and optionally its log proof.
 RECORD_FILE = "record.dsse.json"

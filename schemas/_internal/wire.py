@@ -265,7 +265,7 @@ class ArtifactPage(Wire):
 
 
 class PublisherKey(Wire):
-    """A registered Ed25519 public key."""
+    """A registered publisher public key (Ed25519, ECDSA P-256 or P-384; SubjectPublicKeyInfo PEM)."""
 
     keyid: str
     public_key_pem: str

@@ -18,7 +18,6 @@ from typing import Any
 
 import httpx
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from kvgraft.schemas import (
     DatasetRef,
@@ -46,6 +45,8 @@ from kvgraft.schemas import (
     sha256_bytes,
 )
 from kvgraft.verifier import (
+    KeyType,
+    PrivateKey,
     envelope_json,
     ephemeral_signing_key,
     generate_private_key,
@@ -66,7 +67,7 @@ class Key:
     """A signing key with its files on disk."""
 
     name: str
-    private: Ed25519PrivateKey
+    private: PrivateKey
     path: Path
     pub_path: Path
 
@@ -80,8 +81,8 @@ class Key:
             return envelope_json(sign_statement(statement, [signer]))
 
 
-def make_key(directory: Path, name: str) -> Key:
-    key = generate_private_key()
+def make_key(directory: Path, name: str, key_type: KeyType = "ed25519") -> Key:
+    key = generate_private_key(key_type)
     path = directory / f"{name}.pem"
     save_private_key(key, path)
     save_public_key(key.public_key(), directory / f"{name}.pem.pub")

@@ -13,7 +13,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from kvgraft.cli import main as kvgraft_main
-from kvgraft.verifier import TrustedKeys, trusted_key
+from kvgraft.verifier import TrustedKeys, key_type_of, keyid_of, parse_public_key, trusted_key
 from kvgraft.verifier.cli import ExitCode, main
 
 from .test_dsse import VECTOR_IDS
@@ -57,12 +57,12 @@ def test_dsse_vectors_through_the_command_line(
         assert len(err.splitlines()) == 1
 
 
-def _signed_artifact(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, Path]:
+def _signed_artifact(tmp_path: Path, capsys: pytest.CaptureFixture[str], key_type: str = "ed25519") -> dict[str, Path]:
     art = tmp_path / "artifact"
     art.mkdir()
     (art / "kv.safetensors").write_bytes(b"\x01\x02" * 1000)
     (tmp_path / "pred.json").write_text('{"note": "x"}')
-    assert kvgraft_main(["keys", "generate", "--out", str(tmp_path / "k.pem")]) == 0
+    assert kvgraft_main(["keys", "generate", "--out", str(tmp_path / "k.pem"), "--type", key_type]) == 0
     assert kvgraft_main(["keys", "trust", "--file", str(tmp_path / "trust.json"), "--name", "alice",
                          "--public-key", str(tmp_path / "k.pem.pub")]) == 0
     assert kvgraft_main(["sign", "--key", str(tmp_path / "k.pem"), "--subject", str(art / "kv.safetensors"),
@@ -83,6 +83,34 @@ def test_signed_artifact_verifies_and_json_output(tmp_path: Path, capsys: pytest
     assert code == 0 and result["ok"] is True
     assert result["predicate_type"] == "https://example.com/note/v1"
     assert result["subjects"] == ["kv.safetensors"]
+
+
+@pytest.mark.parametrize(("key_type", "label"), [("p256", "ECDSA P-256"), ("p384", "ECDSA P-384")])
+def test_an_ecdsa_key_generates_signs_and_verifies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], key_type: str, label: str
+) -> None:
+    a = _signed_artifact(tmp_path, capsys, key_type)
+    pem = (tmp_path / "k.pem.pub").read_bytes()
+    public = parse_public_key(pem)
+    assert key_type_of(public) == key_type
+    envelope = json.loads(a["env"].read_text())
+    assert envelope["signatures"][0]["keyid"] == keyid_of(public)
+    code, out, err = _run(capsys, "envelope", a["env"], "--trusted-keys", a["trust"], "--artifact-dir", a["dir"])
+    assert code == 0, err
+    assert "signed by alice" in out and "1 subject file(s) match" in out
+    # The --json output of the key commands names the type.
+    assert kvgraft_main(["--json", "keys", "generate", "--out", str(tmp_path / "k2.pem"), "--type", key_type]) == 0
+    generated = json.loads(capsys.readouterr().out)
+    assert generated["type"] == key_type and label in generated["summary"]
+    # An untrusted key of another type does not verify it.
+    other = TrustedKeys((trusted_key("eve", Ed25519PrivateKey.generate().public_key()),))
+    (tmp_path / "eve.json").write_text(json.dumps(other.to_json()))
+    code, _, err = _run(capsys, "envelope", a["env"], "--trusted-keys", tmp_path / "eve.json")
+    _one_line_failure(code, err, "UnknownKeyError", "none of the envelope's 1 signature(s) verifies")
+    # A changed byte of the subject is refused as for Ed25519.
+    (a["dir"] / "kv.safetensors").write_bytes(b"\x01\x03" * 1000)
+    code, _, err = _run(capsys, "envelope", a["env"], "--trusted-keys", a["trust"], "--artifact-dir", a["dir"])
+    _one_line_failure(code, err, "SubjectMismatchError", "kv.safetensors has digest")
 
 
 def test_tampered_tensor_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,5 @@
-"""DSSE: the DSSE protocol vectors (tests/vectors/dsse), signing round trips, thresholds and malformed envelopes."""
+"""DSSE: the DSSE protocol vectors (tests/vectors/dsse), signing round trips (Ed25519, ECDSA P-256 and
+P-384), thresholds over mixed key types, and malformed envelopes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from kvgraft.verifier import (
+    KEY_TYPES,
     BadSignatureError,
+    KeyType,
     MalformedInputError,
     ThresholdNotMetError,
     TrustedKeys,
@@ -19,8 +22,11 @@ from kvgraft.verifier import (
     UnsupportedPayloadTypeError,
     VerificationError,
     ephemeral_signing_key,
+    generate_private_key,
     pae,
     parse_envelope,
+    parse_trusted_keys,
+    public_key_pem,
     sign_envelope,
     trusted_key,
     verify_envelope,
@@ -160,3 +166,33 @@ def test_bad_base64_is_malformed(payload: str, message: str) -> None:
     trust = TrustedKeys((trusted_key("a", Ed25519PrivateKey.generate().public_key()),))
     with pytest.raises(MalformedInputError, match=message):
         verify_envelope(env, trust)
+
+
+@pytest.mark.parametrize("key_type", KEY_TYPES)
+def test_round_trip_per_key_type_through_a_trusted_keys_file(key_type: KeyType) -> None:
+    key = generate_private_key(key_type)
+    doc = {"version": 1, "keys": [{"name": "alice", "public_key_pem": public_key_pem(key.public_key()).decode()}]}
+    trust = parse_trusted_keys(json.dumps(doc).encode())
+    with ephemeral_signing_key(key) as signer:
+        env = sign_envelope(b'{"a": 1}', [signer])
+    assert env.signatures[0].keyid == trust.keys[0].keyid
+    assert verify_envelope(env, trust).signers == trust.keys
+    tampered = env.model_copy(update={"payload": base64.b64encode(b'{"a": 2}').decode()})
+    with pytest.raises(BadSignatureError, match="does not verify over this payload"):
+        verify_envelope(tampered, trust)
+
+
+def test_mixed_ed25519_and_p256_meet_threshold_two() -> None:
+    ed, p256, p384 = (generate_private_key(t) for t in KEY_TYPES)
+    trust = TrustedKeys((trusted_key("ed", ed.public_key()), trusted_key("p256", p256.public_key())), threshold=2)
+    with ephemeral_signing_key(ed) as a, ephemeral_signing_key(p256) as b:
+        both = sign_envelope(b"{}", [a, b])
+        only_ed = sign_envelope(b"{}", [a])
+    assert {k.name for k in verify_envelope(both, trust).signers} == {"ed", "p256"}
+    with pytest.raises(ThresholdNotMetError, match=r"1 distinct trusted key\(s\) signed \(ed\); 2 are required"):
+        verify_envelope(only_ed, trust)
+    # A third, untrusted P-384 signature does not count; without keyid hints every key is still tried.
+    with ephemeral_signing_key(p384) as c, ephemeral_signing_key(p256) as b2, ephemeral_signing_key(ed) as a2:
+        hintless = sign_envelope(b"{}", [c, b2, a2])
+    hintless = hintless.model_copy(update={"signatures": [sg.model_copy(update={"keyid": ""}) for sg in hintless.signatures]})
+    assert len(verify_envelope(hintless, trust).signers) == 2

@@ -1,7 +1,8 @@
 """DSSE: pre-authentication encoding, signing, and verification with thresholds.
 
 Follows https://github.com/secure-systems-lab/dsse/blob/master/protocol.md: the signature is
-over ``PAE(type, body)``; ``keyid`` is only a hint; thresholds count distinct trusted keys.
+over ``PAE(type, body)`` (Ed25519, or DER-encoded ECDSA P-256/SHA-256 or P-384/SHA-384: see
+``keys``); ``keyid`` is only a hint; thresholds count distinct trusted keys.
 The payload is verified as the bytes received and parsed only after the signatures hold.
 """
 
@@ -11,7 +12,6 @@ import base64
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
 from pydantic import ValidationError
 
 from kvgraft.schemas import (
@@ -33,7 +33,7 @@ from .errors import (
     UnknownKeyError,
     UnsupportedPayloadTypeError,
 )
-from .keys import KeyId, SigningKey, TrustedKey, TrustedKeys
+from .keys import KeyId, SigningKey, TrustedKey, TrustedKeys, verify_signature
 
 _MAX_ENVELOPE = 64 * 1024 * 1024
 
@@ -125,14 +125,6 @@ class VerifiedEnvelope:
         return tuple(k.keyid for k in self.signers)
 
 
-def _verify_one(key: TrustedKey, sig: bytes, message: bytes) -> bool:
-    try:
-        key.public_key.verify(sig, message)
-    except InvalidSignature:
-        return False
-    return True
-
-
 def verify_envelope(envelope: Envelope, trusted: TrustedKeys, *, threshold: int | None = None) -> VerifiedEnvelope:
     """Verify ``envelope`` against ``trusted``; return the payload or raise.
 
@@ -156,9 +148,12 @@ def verify_envelope(envelope: Envelope, trusted: TrustedKeys, *, threshold: int 
             key=lambda k: k.keyid != signature.keyid,
         )
         for key in candidates:
-            if _verify_one(key, sig, message):
-                recognized[key.keyid] = key
-                break
+            try:
+                verify_signature(key.public_key, sig, message)
+            except BadSignatureError:
+                continue  # not this key's signature: try the next trusted key
+            recognized[key.keyid] = key
+            break
         else:
             if any(k.keyid == signature.keyid for k in trusted.keys):
                 hinted_but_bad.append(signature.keyid)

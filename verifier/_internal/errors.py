@@ -89,7 +89,7 @@ class IdentityMismatchError(VerificationError):
 class KeyFileError(MalformedInputError):
     """A key or trusted-keys file cannot be used: unreadable, wrong format, wrong passphrase."""
 
-    default_hint = "pass an Ed25519 PEM key written by 'kvgraft keys generate' (and its passphrase)"
+    default_hint = "pass a PEM key written by 'kvgraft keys generate' (Ed25519, P-256 or P-384) and its passphrase"
 
 
 class LogEntryError(VerificationError):
@@ -118,7 +118,73 @@ class LogProofError(VerificationError):
     )
 
 
+class TileError(LogProofError):
+    """A c2sp.org/tlog-tiles log does not verify: a tile or entry bundle is missing, of the wrong
+    size, malformed, or does not hash to what the signed checkpoint commits to."""
+
+    default_hint = (
+        "the tile or bundle named was altered, truncated, or belongs to another log or tree size; "
+        "fetch it again from the log, or export the tiles again ('kvgraft tiles export')"
+    )
+
+
 class ClaimMismatchError(VerificationError):
     """A figure in a record differs from the one recomputed from its files."""
 
     default_hint = "the record's claims were altered, or the producer computed them wrongly; do not trust them"
+
+
+class CosignatureError(LogProofError):
+    """A witness cosignature (c2sp.org/tlog-cosignature) by a key the verifier knows is malformed
+    or does not verify over the checkpoint: the note was altered after it was cosigned."""
+
+    default_hint = "the checkpoint or its cosignature line was altered; fetch the checkpoint again from the registry"
+
+
+class WitnessQuorumError(LogProofError):
+    """A checkpoint lacks the valid witness cosignatures a witness policy's quorum requires."""
+
+    default_hint = (
+        "wait for the witnesses to cosign a newer checkpoint and fetch it again; if they never do, the "
+        "witnesses refused it (a fork or a rollback) or the policy names other witnesses than the log uses"
+    )
+
+
+class WitnessPolicyError(MalformedInputError):
+    """A witness policy file (c2sp.org/tlog-policy) cannot be read or parsed."""
+
+    default_hint = "write the policy as docs/witness.md describes: witness, group and quorum lines"
+
+
+class ModelSignatureFormatError(MalformedInputError):
+    """A ``model.sig`` is not a key-signed OpenSSF model signing v1.0 signature: not a Sigstore
+    bundle v0.3 with a public-key hint and one DSSE signature, or its signed statement is not a
+    ``https://model_signing/signature/v1.0`` manifest of files hashed with sha256."""
+
+    default_hint = (
+        "pass the model.sig that 'kvgraft oms sign' or 'model_signing sign key' (1.x, file serialization, "
+        "sha256) wrote, unmodified"
+    )
+
+
+class ModelDirectoryError(MalformedInputError):
+    """A directory cannot be signed or checked file by file as model_signing does: it holds a
+    symbolic link or a special file, a name that is not UTF-8, more entries or deeper folders
+    than the limits, or a file that cannot be read."""
+
+    default_hint = "sign or verify a directory of regular files (copy linked files in; remove sockets and pipes)"
+
+
+class ModelManifestMismatchError(SubjectMismatchError):
+    """The directory's files are not the ones its ``model.sig`` signs: one is missing, one is
+    extra, or one's sha256 differs."""
+
+    default_hint = "the directory was changed after it was signed; fetch it again from its source, or re-sign it"
+
+
+class UnsupportedKeyTypeError(KeyFileError):
+    """A key of a type this kind of signature cannot use: a curve or algorithm kvgraft does not sign
+    with (keys.py), an ECDSA key where C2SP notes need Ed25519, an Ed25519 key for model_signing
+    (ECDSA only)."""
+
+    default_hint = "generate a P-256 key: kvgraft keys generate --type p256 --out KEY"

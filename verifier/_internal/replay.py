@@ -27,7 +27,7 @@ from .dsse import parse_envelope, verify_statement_envelope
 from .errors import ClaimMismatchError, LogProofError, MalformedInputError
 from .evaluation import MAX_ENVELOPE_BYTES, OutputLine, output_hash, read_outputs
 from .files import read_input
-from .keys import TrustedKeys, load_public_key
+from .keys import TrustedKeys, load_public_key, require_ed25519
 from .subjects import verify_subjects
 from .tlog import Checkpoint, hash_leaf, verify_checkpoint, verify_inclusion
 from .tlog_cli import _INCLUSION_KEYS, _about, _proof_object, _read_checkpoint, _unverified_origin
@@ -35,7 +35,7 @@ from .tlog_cli import _INCLUSION_KEYS, _about, _proof_object, _read_checkpoint, 
 
 def load_checkpoint(checkpoint: Path, registry_key: Path) -> Checkpoint:
     """Read and verify a registry's signed checkpoint (signed under its own origin)."""
-    key = load_public_key(registry_key)
+    key = require_ed25519(load_public_key(registry_key), f"the registry key {registry_key}")
     note = _read_checkpoint(checkpoint, "checkpoint")
     with _about("checkpoint", checkpoint):
         return verify_checkpoint(note, _unverified_origin(note), key)

@@ -1,12 +1,13 @@
 """Check that a directory holds exactly a statement's subjects: none missing, none extra,
-every digest equal."""
+every digest equal. A ``model.sig`` beside them (``MODEL_SIG_FILE``, an OpenSSF model signing
+signature of the directory) is not an extra file; ``oms.verify_model_signature`` checks it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
 
-from kvgraft.schemas import Statement, prefixed, sha256_file
+from kvgraft.schemas import MODEL_SIG_FILE, Statement, prefixed, sha256_file
 
 from .errors import MalformedInputError, SubjectMismatchError
 
@@ -30,15 +31,17 @@ def _files_under(directory: Path, exclude: set[Path]) -> dict[str, Path]:
 def verify_subjects(statement: Statement, directory: Path, *, exclude: Iterable[Path] = ()) -> list[str]:
     """Verify that ``directory`` holds exactly the statement's subjects; return their names.
 
-    ``exclude`` lists files that sit beside the subjects but are not among them (the envelope).
-    Raises ``SubjectMismatchError`` naming each missing, extra or altered file.
+    ``exclude`` lists files that sit beside the subjects but are not among them (the envelope);
+    a top-level ``model.sig`` that is not a subject is always passed over. Raises
+    ``SubjectMismatchError`` naming each missing, extra or altered file.
     """
     if not directory.exists():
         raise MalformedInputError(f"artifact directory {directory} does not exist")
     if not directory.is_dir():
         raise MalformedInputError(f"{directory} is not a directory", hint="pass the artifact's directory")
-    files = _files_under(directory, {p.resolve() for p in exclude})
     expected = {s.name: prefixed(s.digest.sha256) for s in statement.subject}
+    beside = [*exclude, *([directory / MODEL_SIG_FILE] if MODEL_SIG_FILE not in expected else [])]
+    files = _files_under(directory, {p.resolve() for p in beside})
 
     missing = sorted(set(expected) - set(files))
     extra = sorted(set(files) - set(expected))

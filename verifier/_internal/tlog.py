@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from .errors import LogProofError, MalformedInputError
-from .keys import SigningKey
+from .keys import SigningKey, require_ed25519
 
 #: Size in bytes of every hash in the tree (SHA-256).
 HASH_SIZE = 32
@@ -125,6 +125,19 @@ class MerkleTree:
         """The leaf hash at ``index``."""
         self._check_sizes(index, self.size - 1, "leaf index")
         return self._levels[0][index]
+
+    def subtree_hashes(self, height: int, start: int, end: int) -> list[bytes]:
+        """The roots of the perfect subtrees of ``2**height`` leaves numbered ``start`` to ``end - 1``.
+
+        Subtree ``i`` covers leaves ``[i * 2**height, (i + 1) * 2**height)``; every one asked for
+        must be complete in the current tree. Height 0 gives leaf hashes. No hashing: they are
+        kept (a c2sp.org/tlog-tiles tile at level L is ``subtree_hashes(8 * L, ...)``).
+        """
+        self._check_sizes(height, max(len(self._levels) - 1, 0), "subtree height")
+        row = self._levels[height]
+        self._check_sizes(end, len(row), f"end of the subtrees of height {height}")
+        self._check_sizes(start, end, f"start of the subtrees of height {height}")
+        return row[start:end]
 
     def root(self, tree_size: int | None = None) -> bytes:
         """The Merkle Tree Hash of the first ``tree_size`` leaves (default: all of them)."""
@@ -460,6 +473,10 @@ class NoteSignature:
     key_id: bytes
     signature: bytes
 
+    def line(self) -> bytes:
+        """The line as a note carries it: ``— <name> <base64(key ID || signature)>\\n``."""
+        return f"{_EM_DASH} {self.name} {base64.b64encode(self.key_id + self.signature).decode('ascii')}\n".encode()
+
 
 @dataclass(frozen=True)
 class SignedNote:
@@ -527,7 +544,7 @@ def sign_note(text: bytes, name: str, signing_key: SigningKey) -> bytes:
     """Sign ``text`` (UTF-8, ending in a newline) as a signed note by key ``name``."""
     if not _decode_note_text(text, "the note text").strip("\n"):
         raise ValueError("the note text is empty")
-    key_id = note_key_id(name, signing_key.public_key)
+    key_id = note_key_id(name, require_ed25519(signing_key.public_key, "the note's signing key"))
     blob = base64.b64encode(key_id + signing_key.sign(text)).decode("ascii")
     return text + f"\n{_EM_DASH} {name} {blob}\n".encode()
 

@@ -2,6 +2,7 @@
 
     kvgraft-verify log --checkpoint FILE --registry-key PEM
                        (--inclusion PROOF ENTRY | --consistency PROOF OLD_CHECKPOINT) [--origin NAME]
+                       [--witness-policy POLICY]
 
 Files:
 
@@ -21,6 +22,9 @@ Files:
 
   ``hashes`` is the RFC 9162 consistency proof; the sizes must be those of OLD_CHECKPOINT and
   CHECKPOINT.
+- POLICY: a c2sp.org/tlog-policy witness policy (``witness``, ``group`` and ``quorum`` lines; see
+  ``witness.py`` and docs/witness.md): CHECKPOINT must then also carry valid witness cosignatures
+  meeting its quorum (``WitnessQuorumError`` otherwise).
 - ENTRY: the log entry's bytes exactly as the registry stored them, i.e. the DSSE envelope JSON
   bytes that were posted. The log's leaf is ``SHA-256(0x00 || those bytes)``; any re-encoding of
   the JSON (whitespace, key order) changes the leaf and fails the proof.
@@ -42,7 +46,7 @@ from kvgraft.schemas import DocumentError, parse_json
 
 from .errors import LogProofError, MalformedInputError, VerificationError
 from .files import read_input
-from .keys import load_public_key
+from .keys import load_public_key, require_ed25519
 from .tlog import (
     HASH_SIZE,
     MAX_NOTE_BYTES,
@@ -54,6 +58,7 @@ from .tlog import (
     verify_consistency,
     verify_inclusion,
 )
+from .witness import load_witness_policy, verify_witnessed
 
 #: Proof files are a few kilobytes: at most 2 * 64 hashes of 64 hex digits.
 _MAX_PROOF_FILE = 64 * 1024
@@ -160,16 +165,20 @@ def verify_log_command(
     inclusion: tuple[Path, Path] | None,
     consistency: tuple[Path, Path] | None,
     origin: str | None,
+    witness_policy: Path | None = None,
 ) -> dict[str, Any]:
     """Verify a signed checkpoint, then an inclusion proof (PROOF, ENTRY) and/or a consistency
     proof (PROOF, OLD_CHECKPOINT) against it; return the result with a one-line ``summary``.
+
+    With ``witness_policy`` the checkpoint must also meet that policy's quorum of witness
+    cosignatures (``verify_witnessed``); the result then names the witnesses that cosigned.
 
     The checkpoint must be signed by ``registry_key`` under the key name ``origin`` (default: the
     checkpoint's own origin line, which is how the registry signs), and with ``origin`` it must
     be that log's checkpoint. Raises ``LogProofError`` when anything fails to verify and
     ``MalformedInputError`` when a file is unreadable or malformed.
     """
-    key = load_public_key(registry_key)
+    key = require_ed25519(load_public_key(registry_key), f"the registry key {registry_key}")
     note = _read_checkpoint(checkpoint, "checkpoint")
     with _about("checkpoint", checkpoint):
         name = origin if origin is not None else _unverified_origin(note)
@@ -182,6 +191,16 @@ def verify_log_command(
         "checks": ["checkpoint"],
     }
     done = [f"checkpoint of {head.origin} at size {head.size} (root {head.root_hash.hex()[:16]}) is signed"]
+    if witness_policy is not None:
+        policy = load_witness_policy(witness_policy)
+        with _about("checkpoint", checkpoint):
+            witnessed = verify_witnessed(note, name, key, policy)
+        result["checks"].append("witnesses")
+        result["witnesses"] = {
+            "quorum": policy.describe(),
+            "cosigners": {n: {"key_name": c.witness.name, "timestamp": c.timestamp} for n, c in witnessed.cosigners.items()},
+        }
+        done.append(f"{witnessed.describe()}, as {policy.source} requires ({policy.describe()})")
 
     if inclusion is not None:
         proof_path, entry_path = inclusion
@@ -236,6 +255,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         tuple(args.inclusion) if args.inclusion is not None else None,
         tuple(args.consistency) if args.consistency is not None else None,
         args.origin,
+        args.witness_policy,
     )
 
 
@@ -253,6 +273,12 @@ def add_log_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     log.add_argument(
         "--origin",
         help="the log's origin, which is also its key name (default: the checkpoint's origin line)",
+    )
+    log.add_argument(
+        "--witness-policy",
+        type=Path,
+        metavar="POLICY",
+        help="also require witness cosignatures on the checkpoint, as this c2sp.org/tlog-policy file's quorum says",
     )
     which = log.add_mutually_exclusive_group(required=True)
     which.add_argument(
