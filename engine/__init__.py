@@ -43,8 +43,11 @@ from ._internal.models import (
     MODELS,
     LoadedModel,
     ModelSpec,
+    Wheel,
     cache_dir,
     ensure_cached,
+    install,
+    install_hint,
     is_cached,
     is_installed,
     load_model,
@@ -78,5 +81,5 @@ __all__ = [
     "fresh", "generate", "graft", "is_cached", "is_installed", "kvgraft_home", "load_artifact", "load_model", "local_key_path",
     "locate_gguf", "logits_digest", "read_kv_file", "read_text", "require_same", "serialize", "spec_for", "token_digest",
     "EvalRun", "clean_solution", "read_meta", "run_eval", "run_exactness", "run_replay", "select", "summary_table",
-    "write_pre_registration",
+    "write_pre_registration", "Wheel", "install", "install_hint",
 ]

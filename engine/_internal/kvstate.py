@@ -1,6 +1,10 @@
 """The KV state: one object holding a model's attention cache after some tokens, with one update
 path (``extend``) and exact export and import of every layer's state.
 
+The layers run in the model's own transformers module (Llama, Gemma 3 or Qwen2, whose q/k/v
+projections add their bias before RoPE); the cache holds keys and values exactly as the next
+pass reads them, so an artifact stores them as they are, whatever the architecture.
+
 Full-attention layers hold keys and values for every position. Sliding-window layers (Gemma 3's
 local layers) hold only their last ``window - 1`` positions plus a count of tokens seen; both
 parts are captured, because re-inserting the tensors alone would give the layer a wrong count
@@ -206,12 +210,13 @@ def _check_chain(model: LoadedModel, chain: list[Segment]) -> None:
 
 def _rotation(model: LoadedModel, layer: int, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
     # The model's own rotary module gives cos/sin for an angle of `shift` positions, with the
-    # right base for the layer (Gemma 3's local and global layers use different bases).
+    # right base for the layer: Gemma 3's local and global layers use different bases; Llama's
+    # and Qwen2's layers share one (Qwen2.5's theta of 1e6 comes from its GGUF, via the config).
     rotary = model.module.model.rotary_emb
     x = torch.zeros(1, dtype=torch.float32)
     pos = torch.tensor([[shift]], dtype=torch.long)  # [1, 1]
     if model.spec.architecture == "gemma3":
         cos, sin = rotary(x, pos, model.module.config.layer_types[layer])
-    else:
+    else:  # "llama", "qwen2"
         cos, sin = rotary(x, pos)
     return cos[:, None], sin[:, None]  # [1, 1, d] -> [1, 1, 1, d], broadcast over heads and tokens

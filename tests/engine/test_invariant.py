@@ -76,7 +76,8 @@ class Case:
 
 #: Tokens per model: (text, chunk-size-1 prefix, decode prompt, decode steps). Broad on tiny,
 #: short on the real models (the CPU is shared); 70 tokens cross the first 64-key block.
-_SIZES = {"tiny-llama-test": (150, 150, 60, 24), "smollm2-135m": (70, 24, 40, 8), "gemma3-270m": (70, 20, 40, 6)}
+_SIZES = {"tiny-llama-test": (150, 150, 60, 24), "smollm2-135m": (70, 24, 40, 8), "gemma3-270m": (70, 20, 40, 6),
+          "qwen2.5-coder-0.5b": (70, 12, 40, 4)}
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,7 @@ def inv() -> DeterminismProfile:
     "tiny-llama-test",
     pytest.param("smollm2-135m", marks=pytest.mark.slow),
     pytest.param("gemma3-270m", marks=pytest.mark.slow),
+    pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.slow),
 ])
 def case(request: pytest.FixtureRequest, inv: DeterminismProfile) -> Case:
     model = load_model(request.param)

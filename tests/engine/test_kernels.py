@@ -153,24 +153,28 @@ def test_rerotate_kernel_equals_reference(h: int, d: int, t: int, shift: int) ->
 
 @needs_triton
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"])
 def test_rerotate_with_the_models_own_rotary(name: str) -> None:
-    # The real models' rotary modules (Gemma 3: local and global bases), built from the
+    # The real models' rotary modules (Gemma 3: local and global bases; Qwen2.5: theta 1e6), built from the
     # converted configs without loading any weights.
     from transformers import AutoConfig
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
     from kvgraft.engine import ensure_cached, spec_for
 
     config = AutoConfig.from_pretrained(ensure_cached(spec_for(name), progress=False))
-    h, d = config.num_key_value_heads, config.head_dim
+    # Qwen2's config has no head_dim: its attention divides the width by the heads.
+    h, d = config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     keys, _ = _kv(h, d, 21, seed=5)
     x, pos = torch.zeros(1), torch.tensor([[12]])  # a shift of 12 positions
     if name == "gemma3-270m":
         rotary = Gemma3RotaryEmbedding(config)
         angles = [rotary(x, pos, kind) for kind in sorted(set(config.layer_types))]
         assert len(angles) == 2 and not torch.equal(angles[0][0], angles[1][0])
+    elif name == "qwen2.5-coder-0.5b":
+        angles = [Qwen2RotaryEmbedding(config)(x, pos)]
     else:
         angles = [LlamaRotaryEmbedding(config)(x, pos)]
     for cos, sin in angles:

@@ -1,6 +1,7 @@
-"""The real bundled models, with short texts: graft equals fresh bit for bit on SmolLM2-135M
-and Gemma 3 270M (including a prefix past Gemma's 512-token sliding window), captures are
-byte-identical across processes, and an artifact is refused by the other model.
+"""The real bundled models, with short texts: graft equals fresh bit for bit on SmolLM2-135M,
+Gemma 3 270M (including a prefix past Gemma's 512-token sliding window) and Qwen2.5-Coder-0.5B
+(QKV bias, untied head), captures are byte-identical across processes, and an artifact is
+refused by another model.
 
 The first run converts each GGUF once (20-150 s) into the test cache; later runs reuse it.
 """
@@ -17,8 +18,10 @@ import pytest
 import torch
 
 from kvgraft.engine import (
+    KVState,
     LoadedModel,
     ProfileMismatchError,
+    applied,
     capture,
     fresh,
     graft,
@@ -41,6 +44,11 @@ def smollm2() -> LoadedModel:
 @pytest.fixture(scope="module")
 def gemma3() -> LoadedModel:
     return load_model("gemma3-270m")
+
+
+@pytest.fixture(scope="module")
+def qwen25() -> LoadedModel:
+    return load_model("qwen2.5-coder-0.5b")
 
 
 def _text_of_tokens(model: LoadedModel, n: int) -> str:
@@ -101,3 +109,47 @@ def test_smollm2_two_processes_capture_identical_bytes(smollm2: LoadedModel, tmp
         assert proc.returncode == 0, proc.stderr
         digests.append(json.loads(proc.stdout)["kv_sha256"])
     assert digests[0] == digests[1]
+
+
+def test_qwen25_coder_is_qwen2_as_its_gguf_says(qwen25: LoadedModel) -> None:
+    config = qwen25.module.config
+    assert (config.model_type, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == ("qwen2", 24, 14, 2)
+    assert config.rope_parameters["rope_theta"] == 1_000_000.0  # the GGUF's qwen2.rope.freq_base
+    # Its own lm head (the GGUF holds output.weight), not the embeddings.
+    assert config.tie_word_embeddings is False
+    assert qwen25.module.lm_head.weight.data_ptr() != qwen25.module.model.embed_tokens.weight.data_ptr()
+    attention = qwen25.module.model.layers[0].self_attn
+    assert all(getattr(attention, p).bias is not None for p in ("q_proj", "k_proj", "v_proj")) and attention.o_proj.bias is None
+    assert qwen25.sliding_window is None
+
+
+def test_qwen25_coder_graft_equals_fresh(qwen25: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path) -> None:
+    end = _exact(qwen25, profile, key, tmp_path, _text_of_tokens(qwen25, 48), " Natalia sold 48/2 = 24 clips in May.")
+    assert end >= 40
+    art = load_artifact(tmp_path / "a", qwen25, profile, trusted=trust_signer(key))
+    # Every layer's own positions, two KV heads of 64.
+    assert art.tensors["layers.23.keys"].shape == (1, 2, end, 64)
+
+
+def test_qwen25_coder_chain_graft_equals_the_same_schedule_recomputed(qwen25: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path) -> None:
+    # A child captured on its parent: each link is its own forward pass, so the recomputation is too.
+    parent_text, child_text, continuation = "def add(a, b):\n", "    return a + b\n", "\nprint(add(2, 3))"
+    trusted = trust_signer(key)
+    capture(qwen25, profile, parent_text, tmp_path / "parent", key=key)
+    parent = load_artifact(tmp_path / "parent", qwen25, profile, trusted=trusted)
+    capture(qwen25, profile, child_text, tmp_path / "child", key=key, parent=parent)
+    child = load_artifact(tmp_path / "child", qwen25, profile, trusted=trusted)
+    assert child.statement.predicate.positions.start == parent.statement.predicate.positions.end
+    g = graft(qwen25, profile, child, continuation)
+    with applied(profile):
+        state = KVState(qwen25)
+        state.extend(qwen25.tokenizer.encode(parent_text, first=True))
+        state.extend(qwen25.tokenizer.encode(child_text, first=False))
+        expected = state.extend(qwen25.tokenizer.encode(continuation, first=False))
+    assert torch.equal(g.logits, expected)
+
+
+def test_qwen25_coder_artifact_refused_by_smollm2(qwen25: LoadedModel, smollm2: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path: Path) -> None:
+    capture(qwen25, profile, "def add(a, b):", tmp_path / "a", key=key)
+    with pytest.raises(ProfileMismatchError, match=r"model\.name: artifact qwen2\.5-coder-0\.5b, here smollm2-135m;.*tokenizer_digest"):
+        load_artifact(tmp_path / "a", smollm2, profile, trusted=trust_signer(key))
