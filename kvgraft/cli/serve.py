@@ -55,11 +55,63 @@ def _witnesses(values: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def _blob_store(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``blob_store`` and ``s3`` settings of ``--blob-store`` and the ``--s3-*`` options, checked."""
+    from kvgraft.registry import S3Settings
+
+    try:
+        store: dict[str, Any] = {
+            "blob_store": args.blob_store,
+            "s3": S3Settings(
+                endpoint_url=args.s3_endpoint_url,
+                region=args.s3_region,
+                access_key_id=args.s3_access_key_id,
+                secret_access_key_file=args.s3_secret_access_key_file,
+                part_size=args.s3_part_size,
+                server_checksum=args.s3_server_checksum,
+                timeout=args.s3_timeout,
+                max_attempts=args.s3_max_attempts,
+            ),
+        }
+        RegistrySettings(**store)
+    except ValueError as e:
+        raise CliError(
+            str(e),
+            hint="pass --blob-store s3://BUCKET[/PREFIX] with --s3-endpoint-url http(s)://HOST:PORT for a store other "
+            "than AWS, and --s3-part-size of 5 MiB to 5 GiB (docs/registry.md, 'Deploying at scale')",
+        ) from e
+    return store
+
+
+def _add_blob_store_options(p: argparse.ArgumentParser) -> None:
+    """``--blob-store`` and the ``--s3-*`` options (``serve`` and ``fsck`` take the same)."""
+    d = _DEFAULTS.s3
+    p.add_argument("--blob-store", metavar="s3://BUCKET[/PREFIX]",
+                   help="the registry's blobs are on this S3-compatible object store, under PREFIX/blobs/ (default: DATA/blobs)")
+    p.add_argument("--s3-endpoint-url", metavar="URL",
+                   help="the S3-compatible store's URL (default: $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL, else AWS)")
+    p.add_argument("--s3-region", metavar="REGION", help="the bucket's region (default: $AWS_REGION, $AWS_DEFAULT_REGION)")
+    p.add_argument("--s3-access-key-id", metavar="ID",
+                   help="access key id, with --s3-secret-access-key-file (default: $AWS_ACCESS_KEY_ID and the AWS credential chain)")
+    p.add_argument("--s3-secret-access-key-file", type=Path, metavar="FILE",
+                   help="a file holding the secret access key on its first line (never the secret itself on the command line)")
+    p.add_argument("--s3-part-size", type=int, default=d.part_size, metavar="N",
+                   help=f"bytes per multipart upload part, 5 MiB to 5 GiB; memory per upload in flight (default {d.part_size})")
+    p.add_argument("--s3-timeout", type=float, default=d.timeout, metavar="SECONDS",
+                   help=f"seconds to connect, and to wait for each read, before a request is retried (default {d.timeout:g})")
+    p.add_argument("--s3-max-attempts", type=int, default=d.max_attempts, metavar="N",
+                   help=f"tries per S3 request, with backoff (default {d.max_attempts})")
+    p.add_argument("--no-s3-server-checksum", dest="s3_server_checksum", action="store_false",
+                   help="do not send x-amz-checksum-sha256 (for a store that refuses it; the registry still checks every digest)")
+
+
 def _cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry import serve
 
+    store = _blob_store(args)
     try:
         settings = RegistrySettings(
+            **store,
             origin=args.origin,
             max_blob_bytes=args.max_blob_bytes,
             max_envelope_bytes=args.max_envelope_bytes,
@@ -160,7 +212,7 @@ def _cmd_token_revoke(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_fsck(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry import fsck
 
-    report = fsck(args.data, quarantine=not args.no_quarantine)
+    report = fsck(args.data, quarantine=not args.no_quarantine, settings=RegistrySettings(**_blob_store(args)))
     doc = {**report.document(), "summary": report.summary()}
     if report.ok:
         return doc
@@ -224,6 +276,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                        help="a witness to submit every new checkpoint to, and serve its cosignatures (repeat; docs/witness.md)")
     serve.add_argument("--witness-timeout", type=float, default=d.witness_timeout, metavar="SECONDS",
                        help=f"seconds one request to a witness may take (default {d.witness_timeout:g})")
+    _add_blob_store_options(serve)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
     token = sub.add_parser("token", help="create, list and revoke publishing tokens")
@@ -247,5 +300,6 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     check = _data_command(sub, "fsck", _cmd_fsck,
                           help="check a stopped registry's data directory: re-hash every blob (quarantining bad ones), "
                           "check entries, log leaves and roots; exit 1 naming what is damaged")
+    _add_blob_store_options(check)
     check.add_argument("--no-quarantine", action="store_true",
                        help="only report damaged blobs; leave them in place (and served)")

@@ -44,11 +44,12 @@ from kvgraft.verifier import (
     verify_checkpoint,
 )
 
-from .blobs import BlobStore
+from .blobs import BlobStore, open_blob_store
 from .datadir import KEY_FILE, PUBLIC_KEY_FILE, SIGNED_HEAD_FILE, DataDir, read_signed_head
 from .db import DB_FILE
 from .errors import DatabaseLockedError, DataDirError
 from .log import hash_leaf
+from .settings import RegistrySettings
 
 #: Envelopes fetched from the database per batch: memory stays bounded by a few of the largest.
 _BATCH = 64
@@ -142,10 +143,12 @@ class FsckReport:
         return "\n".join(lines)
 
 
-def fsck(root: Path, *, quarantine: bool = True) -> FsckReport:
+def fsck(root: Path, *, quarantine: bool = True, settings: RegistrySettings | None = None) -> FsckReport:
     """Check the data directory ``root`` (see the module docstring); quarantine damaged blobs
-    unless ``quarantine`` is False. Raises ``DataDirError`` when ``root`` is not a registry data
-    directory and ``DatabaseLockedError`` while a server (or an admin command) holds it."""
+    unless ``quarantine`` is False. ``settings`` name the blob store (``blob_store``, ``s3``) when
+    it is not ``root/blobs``. Raises ``DataDirError`` when ``root`` is not a registry data
+    directory and ``DatabaseLockedError`` while a server (or an admin command) holds it; an
+    object store that does not answer raises ``StorageUnavailableError``."""
     if not (root / DB_FILE).is_file():
         raise DataDirError(
             f"{root} holds no registry database ({DB_FILE})",
@@ -154,24 +157,22 @@ def fsck(root: Path, *, quarantine: bool = True) -> FsckReport:
     report = FsckReport(data=root)
     conn = open_read_only(root)
     try:
-        store = BlobStore(root / "blobs")
-        quarantine_dir = root / "blobs" / "quarantine"
-        if quarantine_dir.is_dir():
-            report.previously_quarantined = sorted(p.name for p in quarantine_dir.iterdir())
-        scrubbed = store.scrub(quarantine=quarantine)
-        report.blobs_checked, report.blob_bytes, report.strays = scrubbed.checked, scrubbed.bytes, scrubbed.strays
-        damaged_blobs = set()
-        for b in scrubbed.damaged:
-            damaged_blobs.add(b.hex_digest)
-            report.damaged.append(
-                Damage(
-                    "blob",
-                    f"blob sha256:{b.hex_digest}",
-                    f"its {b.size} bytes hash to sha256:{b.actual}",
-                    b.quarantined_to,
+        with open_blob_store(root / "blobs", settings or RegistrySettings()) as store:
+            report.previously_quarantined = store.quarantine_names()
+            scrubbed = store.scrub(quarantine=quarantine)
+            report.blobs_checked, report.blob_bytes, report.strays = scrubbed.checked, scrubbed.bytes, scrubbed.strays
+            damaged_blobs = set()
+            for b in scrubbed.damaged:
+                damaged_blobs.add(b.hex_digest)
+                report.damaged.append(
+                    Damage(
+                        "blob",
+                        f"blob sha256:{b.hex_digest}",
+                        f"its {b.size} bytes hash to sha256:{b.actual}",
+                        b.quarantined_to,
+                    )
                 )
-            )
-        leaves = _check_entries(conn, store, damaged_blobs, report)
+            leaves = _check_entries(conn, store, damaged_blobs, report)
         _check_log(conn, root, leaves, report)
     finally:
         conn.close()

@@ -44,7 +44,7 @@ from kvgraft.verifier import (
 
 from . import queries, search
 from .accounts import Accounts, TokenInfo
-from .blobs import BlobStore, parse_digest_ref
+from .blobs import BlobStore, open_blob_store, parse_digest_ref
 from .cosignatures import CosignatureStore
 from .datadir import (
     SIGNED_HEAD_FILE,
@@ -176,12 +176,12 @@ class Registry:
             public = ensure_registry_key(data)
             check_registry_key(db, public)
             origin = resolve_origin(db, settings.origin, public)
-            blobs = BlobStore(data.blobs)
-            # Only now, holding the database lock, is it safe to empty blobs/tmp: a second
-            # process started on a live data directory fails above, before it can delete the
-            # running server's uploads in progress.
-            blobs.prepare()
-            with open_signing_key(data.key_path) as key:
+            # The store settings.blob_store names (DATA/blobs by default), closed with the registry.
+            with open_blob_store(data.blobs, settings) as blobs, open_signing_key(data.key_path) as key:
+                # Only now, holding the database lock, is it safe to empty blobs/tmp: a second
+                # process started on a live data directory fails above, before it can delete the
+                # running server's uploads in progress.
+                blobs.prepare()
                 log = TransparencyLog(origin, key, _load_leaves(db))
                 # The database must agree with itself, then with the head saved outside it, before
                 # anything is signed (an empty database gets checkpoint 0 signed here).

@@ -1,8 +1,10 @@
-"""The registry's settings: limits, read access, the log's origin."""
+"""The registry's settings: limits, read access, the log's origin, the blob store."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .blobconfig import S3Settings, parse_blob_store_url
 
 #: 1 TiB: well above any KV artifact; operators lower it with --max-blob-bytes.
 DEFAULT_MAX_BLOB_BYTES = 1 << 40
@@ -86,6 +88,11 @@ class RegistrySettings:
     #: Seconds one add-checkpoint request to a witness may take.
     witness_timeout: float = DEFAULT_WITNESS_TIMEOUT
 
+    #: Where blobs live: None for the data directory's ``blobs/`` (the default), or an
+    #: S3-compatible object store, ``s3://BUCKET[/PREFIX]`` (blobconfig.py, s3blobs.py).
+    blob_store: str | None = None
+    #: How to reach that object store (endpoint, credentials, part size, timeouts, retries).
+    s3: S3Settings = S3Settings()
     def __post_init__(self) -> None:
         for name in (
             "max_blob_bytes",
@@ -120,3 +127,7 @@ class RegistrySettings:
             raise ValueError(f"RegistrySettings.witness_timeout must be a finite number > 0, got {self.witness_timeout!r}")
         if self.default_page_limit > self.max_page_limit:
             raise ValueError("RegistrySettings.default_page_limit must not exceed max_page_limit")
+        if self.blob_store is not None:
+            parse_blob_store_url(self.blob_store)
+        if not isinstance(self.s3, S3Settings):
+            raise ValueError(f"RegistrySettings.s3 must be an S3Settings, got {self.s3!r}")
