@@ -26,7 +26,7 @@ from common import RESULTS, ROOT, say
 #: The scripts that take ``--threads`` (the model benchmarks).
 THREADED = ("restore_floor", "invariant_profile", "ttft")
 #: In the order they run: the quick ones first, the store last (it grows the library longest).
-SUITE = ("verifier_throughput", "restore_floor", "registry_throughput", "registry_reads", "invariant_profile", "ttft",
+SUITE = ("verifier_throughput", "restore_floor", "registry_throughput", "registry_reads", "registry_publish", "invariant_profile", "ttft",
          "store_scaling")
 
 
@@ -75,6 +75,12 @@ def table() -> list[str]:
             f"p50 <= {r['target']['p50_ms_max']:g} ms")
         add("registry_reads", "download kvgraft / nginx, 1 MiB", f"{r['download_ratio_kvgraft_over_nginx_1m']:.2f}x",
             f">= {r['target']['download_ratio_min']:g}x")
+    r = _load("registry_publish")
+    if r:
+        rates = r["publishes_per_second"]
+        counts = sorted(rates, key=int)
+        add("registry_publish", f"publishes per second, {' / '.join(counts)} clients",
+            " / ".join(f"{rates[c]:.0f}" for c in counts), f">= {r['target']['publishes_per_second_min']:.0f}/s at {r['target']['clients']} clients")
     r = _load("verifier_throughput")
     if r:
         add("verifier_throughput", "verifier hashing / sha256sum", f"{r['hashing']['ratio_verifier_over_sha256sum']:.2f}x", ">= 0.8x")

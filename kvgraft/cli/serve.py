@@ -130,9 +130,18 @@ def _cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
             verify_on_read_bytes=args.verify_on_read_bytes,
             witnesses=_witnesses(args.witness or []),
             witness_timeout=args.witness_timeout,
+            batch_max_entries=args.batch_max_entries,
+            batch_wait_ms=args.batch_wait_ms,
+            max_publish_queue=args.max_publish_queue,
+            max_publish_queue_bytes=args.max_publish_queue_bytes,
+            database=args.database,
         )
     except ValueError as e:
-        raise CliError(str(e), hint="pass positive sizes and counts, a rate limit >= 0, a burst >= 1 and a scrub interval >= 0") from e
+        raise CliError(
+            str(e),
+            hint="pass positive sizes and counts, a rate limit >= 0, a burst >= 1, a scrub interval >= 0, a batch wait of 0 to 1000 ms "
+            "and --database as postgresql://USER@HOST:PORT/DBNAME",
+        ) from e
     started = serve(args.data, host=args.host, port=args.port, settings=settings, log_level=args.log_level)
     if not started:
         raise CliError(f"the registry server on {args.host}:{args.port} did not start", hint="see the log above (is the port in use?)")
@@ -146,7 +155,7 @@ def _cmd_key_add(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry import admin_session
 
     pem = _read_pem(args.public_key)
-    with admin_session(args.data, create=True) as (admin, via):
+    with admin_session(args.data, database=args.database, create=True) as (admin, via):
         result = admin.add_key(args.publisher, pem)
     what = "registered" if result["created"] else "was already registered"
     return {**result, "via": via, "summary": f"key {result['keyid']} {what} for publisher {result['publisher']}"}
@@ -155,7 +164,7 @@ def _cmd_key_add(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_key_list(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry import admin_session
 
-    with admin_session(args.data, create=False) as (admin, via):
+    with admin_session(args.data, database=args.database, create=False) as (admin, via):
         keys = admin.list_keys()
     lines = [f"{'PUBLISHER':<20} {'KEYID':<64} CREATED"]
     lines += [f"{k['publisher']:<20} {k['keyid']:<64} {k['created_at']}" for k in keys]
@@ -169,7 +178,7 @@ def _cmd_token_create(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry import admin_session
 
     pems = [_read_pem(p) for p in args.key]
-    with admin_session(args.data, create=True) as (admin, via):
+    with admin_session(args.data, database=args.database, create=True) as (admin, via):
         result = admin.create_token(args.publisher, pems)
     registered = result.get("registered_keys") or []
     note = f"; registered key(s) {', '.join(registered)} for {result['publisher']}" if registered else ""
@@ -185,7 +194,7 @@ def _cmd_token_create(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_token_list(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry import admin_session
 
-    with admin_session(args.data, create=False) as (admin, via):
+    with admin_session(args.data, database=args.database, create=False) as (admin, via):
         tokens = admin.list_tokens()
     lines = [f"{'TOKEN ID':<17} {'PUBLISHER':<20} {'CREATED':<21} {'REVOKED':<21} KEYS"]
     lines += [
@@ -199,7 +208,7 @@ def _cmd_token_list(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_token_revoke(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry import admin_session
 
-    with admin_session(args.data, create=False) as (admin, via):
+    with admin_session(args.data, database=args.database, create=False) as (admin, via):
         result = admin.revoke_token(args.token_id)
     when = "now" if result["changed"] else f"already, at {result['revoked_at']}"
     applies = "from the server's next request on" if via == "server" else "(the server was not running)"
@@ -212,6 +221,12 @@ def _cmd_token_revoke(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_fsck(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry import fsck
 
+    if args.database is not None:
+        raise CliError(
+            "kvgraft fsck checks a DuckDB data directory; it does not read a PostgreSQL database",
+            hint="on PostgreSQL each server checks the log against its checkpoints and signed-head.json at start and when "
+            "it takes the sequencer lease; rehash blobs with 'kvgraft serve --scrub-interval SECONDS'",
+        )
     report = fsck(args.data, quarantine=not args.no_quarantine, settings=RegistrySettings(**_blob_store(args)))
     doc = {**report.document(), "summary": report.summary()}
     if report.ok:
@@ -233,9 +248,12 @@ def _cmd_fsck(args: argparse.Namespace) -> dict[str, Any]:
 
 def _data_command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, command: Command,
                   help: str) -> argparse.ArgumentParser:
-    """A command over a registry data directory (``--data DIR``)."""
+    """A command over a registry data directory (``--data DIR``) and its database (``--database URL``)."""
     p = add_command(sub, name, command, help=help, extra=REGISTRY)
     p.add_argument("--data", type=Path, required=True, metavar="DIR", help="the registry's data directory")
+    p.add_argument("--database", metavar="URL",
+                   help="a PostgreSQL database (postgresql://USER@HOST:PORT/DBNAME; the password in PGPASSWORD or "
+                   "~/.pgpass) shared by several servers; default: registry.duckdb in the data directory")
     return p
 
 
@@ -263,8 +281,15 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         ("--max-header-count", d.max_header_count, "request headers (more: 431)"),
         ("--max-lineage-depth", d.max_lineage_depth, "parent chain length accepted and walked"),
         ("--max-json-depth", d.max_json_depth, "nesting depth of posted JSON"),
+        ("--batch-max-entries", d.batch_max_entries, "publishes appended per batch, under one signed checkpoint"),
+        ("--max-publish-queue", d.max_publish_queue, "verified publishes waiting for a batch (more: 503)"),
+        ("--max-publish-queue-bytes", d.max_publish_queue_bytes, "envelope bytes waiting for a batch (more: 503)"),
     ):
         serve.add_argument(flag, type=int, default=default, metavar="N", help=f"{what} (default {default})")
+    serve.add_argument("--batch-wait-ms", type=float, default=d.batch_wait_ms, metavar="MS",
+                       help="milliseconds a batch waits, after its first publish, for more that are being read or verified; "
+                       "0: only those already queued "
+                       f"(default {d.batch_wait_ms:g})")
     serve.add_argument("--verify-on-read-bytes", type=int, default=d.verify_on_read_bytes, metavar="N",
                        help="re-hash blobs up to this size each time they are served; 0: never "
                        f"(default {d.verify_on_read_bytes})")

@@ -7,6 +7,7 @@ both ways in fixed-size chunks.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hashlib
@@ -67,7 +68,8 @@ from .openapi import registry_openapi_config
 from .ranges import if_range_allows, none_match, parse_range
 from .readcache import EnvelopeCache
 from .security import add_security_headers
-from .service import Page, Registry
+from .sequencer import Sequencer
+from .service import Page, PreparedPublish, Published, Registry
 from .settings import RegistrySettings
 from .tiles import CHECKPOINT_CACHE, IMMUTABLE, TILES_PREFIX, tile_resource
 from .ui import static_router, ui_router
@@ -562,9 +564,15 @@ async def post_entry(request: Request[Any, Any, Any]) -> Response[EntryDocument]
     proof and the new checkpoint; 200 with the same when these exact bytes are already logged.
     """
     registry = _registry(request)
-    token = await _authenticate(request)
-    body = await _read_limited(request, registry.settings.max_envelope_bytes, "envelope")
-    published = await _run(registry.publish, body, token)
+    # On its way to the sequencer from here: an open batch waits for it (up to batch_wait_ms).
+    with registry.sequencer.arriving() if registry.sequencer is not None else contextlib.nullcontext():
+        token = await _authenticate(request)
+        body = await _read_limited(request, registry.settings.max_envelope_bytes, "envelope")
+        # Verified in a worker thread, concurrently with other publishes; then queued for the
+        # sequencer, whose batch answers it once durable: no thread waits meanwhile.
+        prepared = await _run(registry.prepare_publish, body, token)
+        pending = prepared if isinstance(prepared, Published) else registry.submit(prepared)
+    published = pending if isinstance(pending, Published) else await asyncio.wrap_future(pending)
     index = published.document["entry"]["log_index"]
     return Response(
         content=_wire(EntryDocument, published.document),
@@ -876,6 +884,28 @@ def create_app(data_dir: Path, settings: RegistrySettings | None = None) -> Lite
                 app.state.scrubber = BlobScrubber(registry.blobs, settings.scrub_interval)
                 app.state.scrubber.start()
                 stack.callback(app.state.scrubber.stop)
+            if registry.db.dialect.shared:
+                # Several processes on one PostgreSQL database: the sequencer lease, and keeping up
+                # with the holder's appends (cluster.py). Stopped after the sequencer, so that the
+                # publishes it still holds are logged before the lease is given up.
+                from .cluster import Cluster
+
+                cluster = Cluster(registry, url=settings.public_url or settings.admin_url)
+                registry.cluster = cluster
+                await anyio.to_thread.run_sync(cluster.start)
+                stack.callback(cluster.stop)
+            # Appends verified publishes in batches (sequencer.py). Stopped first on shutdown,
+            # after uvicorn has finished the requests in flight: every queued publish is logged.
+            sequencer: Sequencer[PreparedPublish, Published] = Sequencer(
+                registry.sequence_batch,
+                batch_max_entries=settings.batch_max_entries,
+                batch_wait_ms=settings.batch_wait_ms,
+                max_queue=settings.max_publish_queue,
+                max_queue_bytes=settings.max_publish_queue_bytes,
+            )
+            registry.sequencer = sequencer
+            sequencer.start()
+            stack.callback(sequencer.stop)
             yield
         finally:
             with anyio.CancelScope(shield=True):

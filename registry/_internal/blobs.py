@@ -76,6 +76,9 @@ PIPELINE = 4
 #: Bytes hashed per step when checking a stored blob (fsck, the scrub, a re-upload): a stop
 #: request is seen within one step.
 CHECK_CHUNK = 4 << 20
+#: Seconds after which an upload in ``tmp`` is a crash's leftover when server processes share the
+#: directory (a shared database): no upload takes a day.
+SHARED_STALE_UPLOAD_SECONDS = 24 * 3600
 #: Where damaged blobs go, under the store's root.
 QUARANTINE_DIR = "quarantine"
 #: Blobs up to this size are served whole from one read (hashed, then sent in one piece): the
@@ -442,13 +445,16 @@ class LocalBlobStore(BlobStore):
     """Blobs under ``root/sha256/<hex>``, uploads in progress under ``root/tmp``, damaged blobs
     under ``root/quarantine/<hex>.<timestamp>`` (the data directory's ``blobs/``, the default)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, shared: bool = False) -> None:
         self.root = root
         self.name = str(root)
-        # Alone on the directory, this process sees every quarantine and every upload: what it
-        # verified stays true until it moves the blob aside itself (quarantine forgets it).
-        self._verified = BoundedLru(VERIFIED_CACHE_ENTRIES, VERIFIED_CACHE_ENTRIES)
-        self.inline_read_bytes = INLINE_READ_BYTES
+        #: Other server processes may use the directory at the same time (a shared database).
+        self._shared = shared
+        if not shared:
+            # Alone on the directory, this process sees every quarantine and every upload: what
+            # it verified stays true until it moves the blob aside itself (quarantine forgets it).
+            self._verified = BoundedLru(VERIFIED_CACHE_ENTRIES, VERIFIED_CACHE_ENTRIES)
+            self.inline_read_bytes = INLINE_READ_BYTES
         self._dir = root / "sha256"
         self._tmp = root / "tmp"
         self._quarantine = root / QUARANTINE_DIR
@@ -465,12 +471,29 @@ class LocalBlobStore(BlobStore):
         Call it only holding the data directory (the database lock): a second process must not
         delete the running server's uploads in progress."""
         self._dir.mkdir(parents=True, exist_ok=True)
+        if self._shared:
+            self._tmp.mkdir(exist_ok=True)
+            self._remove_stale_uploads()
+            return
         if self._tmp.exists():
             stale = list(self._tmp.iterdir())
             if stale:
                 logger.info("removing %d unfinished upload(s) from %s", len(stale), self._tmp)
             shutil.rmtree(self._tmp)
         self._tmp.mkdir()
+
+    def _remove_stale_uploads(self) -> None:
+        """Remove only the uploads in ``tmp`` untouched for ``SHARED_STALE_UPLOAD_SECONDS``: the
+        other processes sharing the directory may be writing the younger ones."""
+        cutoff = time.time() - SHARED_STALE_UPLOAD_SECONDS
+        stale = 0
+        for leftover in self._tmp.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                if leftover.stat().st_mtime < cutoff:
+                    leftover.unlink()
+                    stale += 1
+        if stale:
+            logger.info("removed %d unfinished upload(s) older than a day from %s", stale, self._tmp)
 
     def path(self, hex_digest: str) -> Path:
         """Where the blob ``hex_digest`` lives (whether or not it exists)."""
@@ -622,7 +645,8 @@ def open_blob_store(root: Path, settings: RegistrySettings) -> Iterator[BlobStor
     ``prepare`` holding the data directory; ``kvgraft fsck`` only reads and quarantines."""
     store: BlobStore
     if settings.blob_store is None:
-        store = LocalBlobStore(root)
+        # Several server processes on one database may share the directory (cluster.py).
+        store = LocalBlobStore(root, shared=settings.database is not None)
     else:
         from .blobconfig import MAX_S3_PARTS, parse_blob_store_url
         from .s3blobs import S3BlobStore

@@ -1,6 +1,7 @@
 """The data directory: where the database, blobs, registry key and admin handle live.
 
-    DATA/registry.duckdb        metadata, the log's leaves and checkpoints (DuckDB)
+    DATA/registry.duckdb        metadata, the log's leaves and checkpoints (DuckDB; with
+                                --database the same live in PostgreSQL instead, db.py)
     DATA/registry-key.pem       the registry's Ed25519 checkpoint-signing key (0600)
     DATA/registry-key.pub.pem   its public key, for 'kvgraft-verify log --registry-key'
     DATA/blobs/sha256/<hex>     content-addressed blobs
@@ -18,6 +19,7 @@ import json
 import os
 import re
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -236,11 +238,14 @@ def write_signed_head(data: DataDir, head: SignedHead) -> None:
     write_atomic(data.signed_head_path, (json.dumps(doc, indent=2) + "\n").encode("utf-8"), 0o600)
 
 
-def remove_stale_head_temps(data: DataDir) -> None:
-    """Delete temp files a crash left behind while writing ``signed-head.json``."""
+def remove_stale_head_temps(data: DataDir, *, min_age: float = 0.0) -> None:
+    """Delete temp files a crash left behind while writing ``signed-head.json``, those at least
+    ``min_age`` seconds old (another process sharing the directory may be writing a fresh one)."""
+    now = time.time()
     for leftover in data.root.glob(f".{SIGNED_HEAD_FILE}.*.tmp"):
         with contextlib.suppress(FileNotFoundError):
-            leftover.unlink()
+            if min_age <= 0 or now - leftover.stat().st_mtime >= min_age:
+                leftover.unlink()
 
 
 def read_signed_head(data: DataDir) -> SignedHead | None:

@@ -7,8 +7,9 @@ Served (``app.py``; docs/registry.md, "The log as tiles")::
     GET /tlog/tile/entries/<N>[.p/<W>]        entry bundles, from the entries table
 
 A tile exists once the announced tree (the latest signed checkpoint) is large enough to have it
-(``Tile.min_tree_size``): the registry signed a checkpoint at every size, so every partial tile
-any of them produced is still served, as the spec requires; one wider than the tree is 404. Full
+(``Tile.min_tree_size``): the partial tiles of every size up to it are served, so every partial
+tile any checkpoint produced (one per batch of publishes) still is, as the spec requires; one
+wider than the tree is 404. Full
 tiles and bundles never change (``Cache-Control: ... immutable``); partial ones get a short
 max-age. Entry bundles hold the envelopes exactly as logged; an envelope over 65,535 bytes
 cannot be length-prefixed with a uint16, so the bundle that would hold it is 404
