@@ -27,6 +27,9 @@ Command = Callable[[argparse.Namespace], dict[str, Any]]
 #: Where a registry token is read from when ``--token`` is not given (keeps it out of ``ps`` and history).
 TOKEN_ENV = "KVGRAFT_TOKEN"
 
+#: The most a command reads of a PEM key file before refusing it: a key is a few hundred bytes.
+MAX_KEY_FILE_BYTES = 64 * 1024
+
 
 class CliError(KvgraftError):
     """A user-facing failure of a ``kvgraft`` command (bad options, local files): one line, with a hint.

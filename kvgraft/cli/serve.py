@@ -14,10 +14,7 @@ from typing import Any
 
 from kvgraft.registry import RegistrySettings
 
-from ._common import REGISTRY, CliError, Command, add_command
-
-#: A public key PEM is a few hundred bytes.
-_MAX_KEY_FILE = 64 * 1024
+from ._common import MAX_KEY_FILE_BYTES, REGISTRY, CliError, Command, add_command
 
 #: The defaults of ``kvgraft serve``'s options are the settings' own.
 _DEFAULTS = RegistrySettings()
@@ -27,7 +24,7 @@ _PUB_HINT = "pass the .pub file 'kvgraft keys generate' wrote"
 
 def _read_pem(path: Path) -> str:
     try:
-        if path.stat().st_size > _MAX_KEY_FILE:
+        if path.stat().st_size > MAX_KEY_FILE_BYTES:
             raise CliError(f"{path} is larger than a public key file can be", hint=_PUB_HINT)
         return path.read_text(encoding="ascii")
     except FileNotFoundError as e:

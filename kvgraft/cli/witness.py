@@ -22,17 +22,14 @@ from kvgraft.verifier import (
     require_ed25519,
 )
 
-from ._common import REGISTRY, CliError, add_command, passphrase
-
-#: A PEM key file is a few hundred bytes.
-_MAX_KEY_FILE = 64 * 1024
+from ._common import MAX_KEY_FILE_BYTES, REGISTRY, CliError, add_command, passphrase
 
 
 def _witness_key(path: Path, name: str, passphrase_env: str | None) -> WitnessKey:
     """The witness vkey of the Ed25519 key in ``path`` (a private or a public PEM) under ``name``."""
     try:
         with path.open("rb") as f:
-            head = f.read(_MAX_KEY_FILE)
+            head = f.read(MAX_KEY_FILE_BYTES)
     except OSError as e:
         raise CliError(f"cannot read key file {path}: {e.strerror or e}", hint="pass the PEM 'kvgraft keys generate' wrote") from e
     try:

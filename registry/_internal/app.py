@@ -686,13 +686,20 @@ async def get_tiles_checkpoint(request: Request[Any, Any, Any]) -> Response[byte
 @get(TILES_PREFIX + "/tile/{path:path}", guards=[read_guard], include_in_schema=False)
 async def get_tile(request: Request[Any, Any, Any], path: FromPath[str]) -> Response[bytes]:
     """A hash tile or entry bundle (c2sp.org/tlog-tiles); 304 when If-None-Match has its ETag."""
-    found = await _run(tile_resource, _registry(request), "tile/" + path.removeprefix("/"), request.headers.get("if-none-match"))
+    # The path as sent (ASGI raw_path, still percent-encoded), not ``path``: the router drops a
+    # trailing slash and merges "//", which would make tile/0/000/ an alias of tile/0/000, and
+    # tlog-tiles paths have one spelling (an encoded character is never part of it).
+    raw = request.scope.get("raw_path")
+    sent = raw.decode("latin-1") if isinstance(raw, bytes) else f"{TILES_PREFIX}/tile{path}"
+    tail = sent.partition(TILES_PREFIX + "/tile/")[2]
+    found = await _run(tile_resource, _registry(request), "tile/" + tail, request.headers.get("if-none-match"))
     headers = {"ETag": found.etag, "Cache-Control": found.cache_control}
     if found.body is None:
         return Response(content=b"", status_code=304, headers=headers)
     return Response(content=found.body, media_type="application/octet-stream", headers=headers)
 
 
+# --- artifacts, records, publishers ------------------------------------------------------------
 
 
 @get("/v1/artifacts", guards=[read_guard], summary="List artifacts")

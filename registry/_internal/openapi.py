@@ -129,7 +129,13 @@ def _parameter_schema(name: str, settings: RegistrySettings) -> dict[str, Any] |
         # How many witness cosignatures the checkpoint must carry (cosignatures.py).
         return {"type": "integer", "minimum": 0, "maximum": MAX_WITNESSES}
     if name == "q":
-        return {"type": "string", "maxLength": settings.max_query_length}
+        # The word limit is counted after NFKC casefolding (search.py), which no JSON schema can
+        # state (one character can fold to two words); the description says it, schemathesis.toml too.
+        return {
+            "type": "string", "maxLength": settings.max_query_length,
+            "description": f"whole words to search the source text for; at most {settings.max_search_terms} "
+            "distinct words after NFKC casefolding (more is 400 query-too-large)",
+        }
     if name == "parent":
         return {"type": "string", "pattern": r"^(none|sha256:[0-9a-f]{64})$"}
     if name == "artifact":

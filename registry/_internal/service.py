@@ -234,8 +234,8 @@ class Registry:
         self._head = head
         #: Witness cosignatures of the checkpoints (cosignatures.py), served on every checkpoint note.
         self.cosignatures = CosignatureStore(db)
-        #: Called (without the lock) each time a new checkpoint is durable and announced: the app
-        #: wakes its witness collector with it. Must not block.
+        #: Called each time a new checkpoint is durable and announced, with the database lock
+        #: held (the publish's own): the app wakes its witness collector with it. Must not block.
         self.on_new_head: Callable[[], None] | None = None
         #: The app's sequencer (sequencer.py), which ``submit`` queues publishes for; None outside
         #: the app, where each publish is sequenced at once as a batch of one.

@@ -392,7 +392,10 @@ class _Exporter:
         source = _WithCheckpoint(DirectoryTileSource(self.out), note)
         skipped = {s.tile.path for s in self.report.skipped}
         try:
-            log = read_tiled_log(source, self.vkey, max_entries=max(checkpoint.size, 1), allow_missing_bundles=bool(skipped))
+            log = read_tiled_log(
+                source, self.vkey, origin=self.origin, max_entries=max(checkpoint.size, 1),
+                allow_missing_bundles=bool(skipped), keep_entries=False,
+            )
         except (LogProofError, MalformedInputError) as e:
             raise LogIntegrityError(f"the exported tiles in {self.out} do not verify: {e.message}", hint=e.hint) from e
         missing = {t.path for t in log.missing}

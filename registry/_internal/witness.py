@@ -236,7 +236,10 @@ class WitnessState:
             # Any time is fine here: it was cosigned in the past, whatever the clock says now.
             found = open_cosignatures(note, [self.key], now=float(1 << 62))
             if found.by(self.key) is None:
-                raise ValueError("it does not carry this witness's cosignature")
+                raise ValueError(
+                    f"it does not carry a cosignature by {self.key.name}+{self.key.key_id.hex()} (was it written "
+                    "under another --key or --name? then start the witness with those)"
+                )
             checkpoint = parse_checkpoint(parse_signed_note(note).text)
             if (checkpoint.origin, checkpoint.size, checkpoint.root_hash.hex()) != (
                 origin, doc["tree_size"], doc["root_hash"]

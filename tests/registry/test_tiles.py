@@ -5,11 +5,12 @@ The independent reader is Go's golang.org/x/mod/sumdb/tlog and sumdb/note (Debia
 golang-golang-x-mod-dev; scripts/system-packages.sh installs it for ``make test``), driven by
 tests/registry/tlogtiles/main.go: it verifies the checkpoint, reads every leaf hash through
 ``tlog.TileHashReader`` (which authenticates each tile against the tree hash), recomputes the root
-with ``tlog.TreeHash`` and rebuilds every tile of the tree from the leaf hashes alone. Here Go's
-tiles are compared byte for byte with the registry's (served, and exported then served by
-``python -m http.server``), Go's root with the checkpoint's, and the entry bundles, split by the
-few lines of ``_split_bundle`` below (the spec's uint16 length prefixes, not kvgraft's parser), with
-the envelopes as published.
+with ``tlog.TreeHash``, rebuilds every tile of the tree from the leaf hashes alone, and reads
+every entry bundle (its own uint16 parser, each entry checked with ``tlog.RecordHash``). Here
+Go's tiles are compared byte for byte with the registry's (served, and exported then served by
+``python -m http.server``), Go's root with the checkpoint's, and Go's entries with the envelopes
+as published (as are the bundles split by the few lines of ``_split_bundle`` below, the spec's
+uint16 length prefixes, not kvgraft's parser).
 
 The log has 300 entries: a full level-0 tile and bundle, partial ones of width 44, and a partial
 level-1 tile; it is built in-process (the service's publish, without HTTP, for speed), then
@@ -173,6 +174,7 @@ def _check_against_go(go: dict[str, Any], log: Log, read: Any, *, every_partial:
     assert go["size"] == ENTRIES == int(checkpoint[1])
     assert go["root"] == go["tree_hash"] == checkpoint[2]
     assert go["leaves"] == [_b64(hash_leaf(e)) for e in log.envelopes]
+    assert go["entries"] == [_b64(e) for e in log.envelopes]
     compared = 0
     for path, tile in go["tiles"].items():
         ours = read(path)
@@ -311,6 +313,11 @@ def test_tiles_and_bundles_are_cached_as_the_spec_says(server: Server, log: Log)
         ("tile/0/000.p/256", "the partial width '256'"),
         ("tile/8/0/000", "is not a tlog-tiles path"),
         ("tile/data/000", "the level 'data'"),
+        ("tile/0/000/", "N must be 3-digit elements"),  # the router alone would drop the slash
+        ("tile//0/000", "the level ''"),  # and merge the "//"
+        ("tile/0/%2e%2e/000", "N must be 3-digit elements"),
+        ("tile/0/%30%30%30", "N must be 3-digit elements"),  # 000, percent-encoded
+        ("tile/entries/x000/000", "it is not canonical; the same tile is tile/entries/000"),
     ],
 )
 def test_tiles_the_log_does_not_have_are_404(server: Server, path: str, detail: str) -> None:
@@ -369,6 +376,7 @@ def test_export_again_keeps_full_tiles_and_retires_superseded_partials(
     }
     go = go_read(tlogtiles, out, log.vkey)
     assert go["size"] == 515 and go["leaves"] == [_b64(hash_leaf(e)) for e in log.envelopes + more]
+    assert go["entries"] == [_b64(e) for e in log.envelopes + more]
     for path in _files(out) - {"checkpoint"}:
         if not path.startswith("tile/entries/"):
             assert (out / path).read_bytes() == base64.b64decode(go["tiles"][path]), path

@@ -11,22 +11,24 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import struct
 import logging
+import struct
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from kvgraft.cli import main as kvgraft_main
 from kvgraft.verifier import (
     NoteSignature,
     WitnessKey,
+    cosign,
     cosignature_message,
+    ephemeral_signing_key,
     parse_signed_note,
     parse_witness_policy,
     save_public_key,
@@ -35,7 +37,18 @@ from kvgraft.verifier import (
 from kvgraft.verifier.cli import main as verify_main
 
 from .conftest import Key, artifact, free_port, harness, make_key, running_server
-from .witnesses import ORIGIN, FakeLog, WitnessServer, cosigners, policy_file, registry_data, running_witness, wait_for
+from .witnesses import (
+    ORIGIN,
+    Answer,
+    FakeLog,
+    WitnessServer,
+    cosigners,
+    policy_file,
+    registry_data,
+    running_witness,
+    scripted_witness,
+    wait_for,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -184,6 +197,32 @@ def test_malformed_and_refused_bodies_are_answered_and_change_nothing(tmp_path: 
         assert httpx.get(f"{w.url}/NOTAHASH/checkpoint", timeout=10).status_code == 404
 
 
+def test_a_state_file_it_did_not_sign_fails_closed_and_is_never_reset(tmp_path: Path, wkeys: dict[str, Key]) -> None:
+    log = FakeLog(leaves=3)
+    state = tmp_path / "state"
+    path = state / f"{hashlib.sha256(log.key.origin.encode()).hexdigest()}.json"
+    with running_witness(wkeys["w1"], "witness.test/w1", state, [log.key.vkey]) as w:
+        assert w.add_checkpoint(log.body(0)).status_code == 200
+    saved = path.read_bytes()
+    log.grow(2)
+    # Another key on the same state directory: it cannot vouch for that state, so it cosigns nothing
+    # for the log (not even "old 0", which a witness that forgot the log would accept).
+    with running_witness(wkeys["w2"], "witness.test/w1", state, [log.key.vkey]) as w:
+        for body in (log.body(0), log.body(3)):
+            r = w.add_checkpoint(body)
+            assert r.status_code == 500 and "is damaged" in r.json()["detail"], r.text
+            assert "another --key or --name" in r.json()["detail"] and str(state) not in r.text
+    # A state file edited by hand (its size moved back) fails the same way under the right key.
+    doc = json.loads(saved)
+    doc["tree_size"] = 1
+    path.write_text(json.dumps(doc))
+    with running_witness(wkeys["w1"], "witness.test/w1", state, [log.key.vkey]) as w:
+        r = w.add_checkpoint(log.body(1))
+        assert r.status_code == 500 and "its fields do not match its checkpoint" in r.json()["detail"], r.text
+        path.write_bytes(saved)  # restored from the backup: it goes on from size 3
+        assert w.add_checkpoint(log.body(3)).status_code == 200
+
+
 def test_concurrent_add_checkpoints_from_one_size_advance_the_witness_once(tmp_path: Path, wkeys: dict[str, Key]) -> None:
     log = FakeLog(leaves=40)
     bodies = [log.body(0, size) for size in range(10, 26)]
@@ -313,50 +352,70 @@ def test_publishing_never_waits_for_an_unreachable_witness(tmp_path: Path, keys:
 def test_a_witness_answer_that_cosigns_another_text_is_refused_not_stored(
     tmp_path: Path, keys: dict[str, Key], wkeys: dict[str, Key], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A witness (a real HTTP server here) whose answer starts with a blank line: the line after it
-    signs a text of its choosing. Stored and served, it would make clients that trust the witness
-    refuse the whole note; the registry must verify over its own checkpoint text and refuse it."""
-    liar = WitnessKey("witness.test/liar", wkeys["w1"].private.public_key())
+    """A witness whose answer starts with a blank line: the line after it signs a text of its
+    choosing. Stored and served, it would make clients that trust the witness refuse the whole
+    note; the registry must verify over its own checkpoint text and refuse it."""
     private = wkeys["w1"].private
+    assert isinstance(private, Ed25519PrivateKey)
+    liar = WitnessKey("witness.test/liar", private.public_key())
     bodies: list[bytes] = []
 
-    class Liar(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            bodies.append(body)
-            chosen = body.split(b"\n\n", 1)[1] + b"\nx\n"
-            ts = int(time.time())
-            signature = private.sign(cosignature_message(chosen, ts))  # type: ignore[call-arg]
-            line = NoteSignature(liar.name, liar.key_id, struct.pack(">Q", ts) + signature).line()
-            answer = b"\nx\n\n" + line
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain")
-            self.send_header("Content-Length", str(len(answer)))
-            self.end_headers()
-            self.wfile.write(answer)
+    def lie(body: bytes) -> Answer:
+        bodies.append(body)
+        chosen = body.split(b"\n\n", 1)[1] + b"\nx\n"
+        ts = int(time.time())
+        signature = private.sign(cosignature_message(chosen, ts))
+        return 200, "text/plain", b"\nx\n\n" + NoteSignature(liar.name, liar.key_id, struct.pack(">Q", ts) + signature).line()
 
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
+    with (
+        scripted_witness(lie) as url,
+        caplog.at_level(logging.WARNING, logger="kvgraft.registry"),
+        harness(tmp_path / "data", keys, witnesses=((liar.vkey, url),), witness_timeout=2.0) as h,
+    ):
+        h.publish_artifact(artifact("a lie in the answer"), keys["alice"])
+        wait_for(lambda: "is not cosignature lines" in caplog.text, "the registry to refuse the liar's answer")
+        assert bodies and all(b.startswith((b"old 0\n", b"old 1\n")) for b in bodies)
+        note = h.client.get("/v1/log/checkpoint").content
+        signatures = parse_signed_note(note).signatures
+        assert len(signatures) == 1 and signatures[0].name == note.split(b"\n", 1)[0].decode(), note
+        assert h.client.get("/v1/log/checkpoint", params={"witnessed": 1}).status_code == 404
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Liar)
-    serving = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    serving.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        with (
-            caplog.at_level(logging.WARNING, logger="kvgraft.registry"),
-            harness(tmp_path / "data", keys, witnesses=((liar.vkey, url),), witness_timeout=2.0) as h,
-        ):
-            h.publish_artifact(artifact("a lie in the answer"), keys["alice"])
-            wait_for(lambda: "is not cosignature lines" in caplog.text, "the registry to refuse the liar's answer")
-            assert bodies and all(b.startswith((b"old 0\n", b"old 1\n")) for b in bodies)
+
+def test_a_witness_that_answers_409_then_fails_is_retried_until_it_cosigns(
+    tmp_path: Path, keys: dict[str, Key], wkeys: dict[str, Key]
+) -> None:
+    """The 409 names the head's own size (the witness cosigned it, but the answer was lost), then the
+    resubmission fails once: the registry must keep retrying that witness, even though another
+    witness's line for the head is already stored."""
+    data = tmp_path / "data"
+    log = registry_data(data)
+    flaky = WitnessKey("witness.test/flaky", wkeys["w2"].private.public_key())
+    answers: list[int] = []
+
+    def flake(body: bytes) -> Answer:
+        size = parse_signed_note(body.split(b"\n\n", 1)[1]).text.split(b"\n")[1]
+        if not answers:
+            answers.append(409)
+            return 409, "text/x.tlog.size", size + b"\n"
+        if len(answers) == 1:
+            answers.append(500)
+            return 500, "text/plain", b"down for a moment\n"
+        answers.append(200)
+        with ephemeral_signing_key(wkeys["w2"].private) as k:
+            return 200, "text/plain", cosign(parse_signed_note(body.split(b"\n\n", 1)[1]).text, flaky.name, k)
+
+    with (
+        running_witness(wkeys["w1"], "witness.test/w1", tmp_path / "state1", [log.vkey]) as w1,
+        scripted_witness(flake) as url,
+        harness(data, keys, origin=ORIGIN, witnesses=((w1.witness_key.vkey, w1.url), (flaky.vkey, url)),
+                witness_timeout=2.0) as h,
+    ):
+        def both() -> bytes | None:
             note = h.client.get("/v1/log/checkpoint").content
-            assert [s.name for s in parse_signed_note(note).signatures] == [ORIGIN_OF_HARNESS(note)]
-            assert h.client.get("/v1/log/checkpoint", params={"witnessed": 1}).status_code == 404
-    finally:
-        server.shutdown()
-        server.server_close()
-        serving.join(timeout=10)
+            return note if cosigners(note, [w1]) and flaky.name in [s.name for s in parse_signed_note(note).signatures] else None
+
+        wait_for(both, "both witnesses' lines on the size-0 checkpoint", timeout=20)
+        assert answers == [409, 500, 200]
 
 
 # --- the commands ---------------------------------------------------------------------------------

@@ -9,11 +9,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -124,6 +126,39 @@ def running_witness(key: Key, name: str, state: Path, logs: Sequence[str]) -> It
         yield server
     finally:
         server.stop()
+
+
+#: A scripted witness's answer to one add-checkpoint body: (status, content type, body).
+Answer = tuple[int, str, bytes]
+
+
+@contextlib.contextmanager
+def scripted_witness(answer: Callable[[bytes], Answer]) -> Iterator[str]:
+    """A real HTTP server on 127.0.0.1 answering each ``POST /add-checkpoint`` with ``answer(body)``
+    (a witness that lies, or fails on cue); yields its URL and is shut down when the block ends."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            status, media, content = answer(body)
+            self.send_response(status)
+            self.send_header("Content-Type", media)
+            self.send_header("Content-Length", str(len(content)))
+            self.end_headers()
+            self.wfile.write(content)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    serving = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    serving.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        serving.join(timeout=10)
 
 
 def policy_file(path: Path, witnesses: Sequence[WitnessServer], needed: int) -> Path:

@@ -8,10 +8,14 @@ tests/registry/test_tiles.py.
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import hashlib
 import json
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -21,6 +25,7 @@ from kvgraft.verifier import (
     TILE_WIDTH,
     Checkpoint,
     DirectoryTileSource,
+    HttpTileSource,
     LogProofError,
     MalformedInputError,
     MerkleTree,
@@ -300,6 +305,78 @@ def test_missing_bundles_fail_unless_allowed(tiled: TiledDir) -> None:
     assert "256 entries in 1 missing bundle(s) not read" in log.summary()
 
 
+def test_the_origin_is_checked_when_given(tiled: TiledDir) -> None:
+    log = read_tiled_log(DirectoryTileSource(tiled.root), tiled.vkey, origin=ORIGIN, keep_entries=False)
+    assert log.entries == () and log.read == 600 and "600 entries read" in log.summary()
+    _refused(tiled, f"the checkpoint is for log {ORIGIN!r}, not 'example.com/other'", LogProofError, origin="example.com/other")
+
+
+# --- over HTTP -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def http_log(root: Path, body: Callable[[str, bytes], tuple[bytes, str]]) -> Iterator[str]:
+    """A real HTTP server on 127.0.0.1 over ``root``; ``body(path, file bytes)`` gives what to send
+    and its Content-Encoding. Yields the URL prefix."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.lstrip("/")
+            target = root / path
+            if not target.is_file():
+                self.send_error(404)
+                return
+            data, encoding = body(path, target.read_bytes())
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            if encoding:
+                self.send_header("Content-Encoding", encoding)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def test_the_reader_takes_gzip_as_the_spec_asks(tiled: TiledDir) -> None:
+    with http_log(tiled.root, lambda path, data: (gzip.compress(data), "gzip")) as url:
+        with HttpTileSource(url, timeout=10) as source:
+            log = read_tiled_log(source, tiled.vkey)
+    assert log.checkpoint.size == 600 and log.read == 600 and log.bundles == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        # 8 KiB of gzip that inflates to 8 MiB: refused at the tile limit, never inflated whole.
+        (lambda data: (gzip.compress(b"\0" * (8 << 20)), "gzip"), "more than the 8192 bytes a tile can be"),
+        (lambda data: (gzip.compress(data)[:-12], "gzip"), "the gzip body ends early (truncated)"),
+        (lambda data: (b"\x1f\x8b" + b"not gzip" * 4, "gzip"), "the gzip body is corrupt"),
+        (lambda data: (data, "br"), "answered in Content-Encoding 'br', which this reader did not ask for"),
+    ],
+)
+def test_the_reader_refuses_bad_encodings(
+    tiled: TiledDir, body: Callable[[bytes], tuple[bytes, str]], message: str
+) -> None:
+    def send(path: str, data: bytes) -> tuple[bytes, str]:
+        return body(data) if path == "tile/0/000" else (data, "")
+
+    with http_log(tiled.root, send) as url, HttpTileSource(url, timeout=10) as source:
+        with pytest.raises(MalformedInputError) as e:
+            read_tiled_log(source, tiled.vkey)
+    assert f"GET {url}tile/0/000" in e.value.message and message in e.value.message
+
+
 def test_an_empty_log_reads_as_empty(tmp_path: Path) -> None:
     tiled = write_tiled_log(tmp_path / "empty", [])
     log = read_tiled_log(DirectoryTileSource(tiled.root), tiled.vkey)
@@ -328,3 +405,5 @@ def test_kvgraft_verify_tiles_fails_in_one_line(tiled: TiledDir, capsys: pytest.
     assert "is not a directory" in capsys.readouterr().err
     assert main(["tiles", str(tiled.root), "--log-key", "not-a-vkey"]) == ExitCode.FAILED
     assert "MalformedInputError: a verifier key has the form" in capsys.readouterr().err
+    assert main(["tiles", str(tiled.root), "--log-key", tiled.vkey, "--origin", "example.com/other"]) == ExitCode.FAILED
+    assert f"LogProofError: the checkpoint is for log {ORIGIN!r}, not 'example.com/other'" in capsys.readouterr().err

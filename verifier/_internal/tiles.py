@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import re
 import time
+import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -373,7 +374,8 @@ class HttpTileSource:
     """A tiled log at an HTTP(S) URL prefix, read with httpx (imported only here).
 
     Every fetch has one total deadline of ``timeout`` seconds and reads at most its ``max_bytes``
-    (decoded); redirects are not followed. Use it as a context manager.
+    (after gzip, which it accepts as the spec asks, inflated incrementally so that no body costs
+    more than its limit); redirects are not followed. Use it as a context manager.
     """
 
     def __init__(self, prefix: str, *, timeout: float = DEFAULT_FETCH_TIMEOUT) -> None:
@@ -419,16 +421,27 @@ class HttpTileSource:
                         f"GET {url} answered {response.status_code}, not 200",
                         hint="check the URL prefix (it ends before 'checkpoint' and 'tile/') and that the log is up",
                     )
-                chunks: list[bytes] = []
-                size = 0
-                for chunk in response.iter_bytes():
-                    size += len(chunk)
-                    if size > max_bytes:
-                        raise MalformedInputError(f"GET {url}: more than the {max_bytes} bytes a {_kind(path)} can be")
+                encoding = response.headers.get("content-encoding", "identity").strip().lower() or "identity"
+                if encoding not in ("identity", "gzip"):
+                    raise MalformedInputError(
+                        f"GET {url} answered in Content-Encoding {encoding[:40]!r}, which this reader did not ask for",
+                        hint="serve tiles as gzip or identity (c2sp.org/tlog-tiles), or read a directory copy",
+                    )
+                # Raw bytes, inflated here at most one byte past the limit: httpx would inflate a whole
+                # network read at once, and a few KiB of gzip can be tens of MiB.
+                inflate = zlib.decompressobj(16 + zlib.MAX_WBITS) if encoding == "gzip" else None
+                data = bytearray()
+                for chunk in response.iter_raw():
                     if time.monotonic() > deadline:
                         raise MalformedInputError(f"GET {url} took longer than {self.timeout:g} s")
-                    chunks.append(chunk)
-                return b"".join(chunks)
+                    data += chunk if inflate is None else inflate.decompress(chunk, max_bytes + 1 - len(data))
+                    if len(data) > max_bytes:
+                        raise MalformedInputError(f"GET {url}: more than the {max_bytes} bytes a {_kind(path)} can be")
+                if inflate is not None and not inflate.eof:
+                    raise MalformedInputError(f"GET {url}: the gzip body ends early (truncated)")
+                return bytes(data)
+        except zlib.error as e:
+            raise MalformedInputError(f"GET {url}: the gzip body is corrupt ({e})") from e
         except httpx.HTTPError as e:
             raise MalformedInputError(
                 f"GET {url} failed: {e}", hint="check the URL and that the log is reachable, then retry"
@@ -459,6 +472,7 @@ class TiledLog:
 
     ``missing`` lists the entry bundles the source does not have (only with
     ``allow_missing_bundles``): their entries' leaf hashes are proven, their bytes were not read.
+    ``read`` counts the entries read and verified (``entries`` is empty with ``keep_entries=False``).
     """
 
     checkpoint: Checkpoint
@@ -466,7 +480,8 @@ class TiledLog:
     tiles: int
     bundles: int
     entries: tuple[TiledEntry, ...]
-    missing: tuple[Tile, ...] = field(default=())
+    missing: tuple[Tile, ...]
+    read: int
 
     def summary(self) -> str:
         """One line for people."""
@@ -477,7 +492,7 @@ class TiledLog:
         return (
             f"OK: tlog-tiles log {self.checkpoint.origin} at tree size {self.checkpoint.size}, root "
             f"{self.checkpoint.root_hash.hex()}: {self.tiles} tile(s) and {self.bundles} entry bundle(s) verified, "
-            f"{len(self.entries)} entries read{missing}"
+            f"{self.read} entries read{missing}"
         )
 
 
@@ -485,9 +500,11 @@ def read_tiled_log(
     source: TileSource,
     vkey: str,
     *,
+    origin: str | None = None,
     max_entries: int = DEFAULT_MAX_ENTRIES,
     allow_missing_bundles: bool = False,
     on_entry: Callable[[int, bytes], None] | None = None,
+    keep_entries: bool = True,
 ) -> TiledLog:
     """Read and verify the whole tiled log at ``source``, whose checkpoints ``vkey`` signs.
 
@@ -495,9 +512,11 @@ def read_tiled_log(
     registry serves it as ``vkey`` at ``GET /v1/log/key``). In order: the checkpoint's
     signature; the root recomputed from the level-0 tiles against the checkpoint's; every
     higher tile against the full tiles below it; every entry of every bundle against its leaf
-    hash (``on_entry(index, bytes)`` sees each one, in log order). A checkpoint of more than
-    ``max_entries`` is refused before any tile is fetched. A missing bundle is a ``TileError``
-    unless ``allow_missing_bundles`` (then it is listed in ``missing``).
+    hash (``on_entry(index, bytes)`` sees each one, in log order). With ``origin`` the checkpoint
+    must be that log's (one key may sign several logs). A checkpoint of more than ``max_entries``
+    is refused before any tile is fetched. A missing bundle is a ``TileError`` unless
+    ``allow_missing_bundles`` (then it is listed in ``missing``). ``keep_entries=False`` leaves
+    ``entries`` empty, for callers that only need the verdict (it is the largest part of the result).
     """
     name, public_key = parse_vkey(vkey)
     where = source.describe()
@@ -506,7 +525,7 @@ def read_tiled_log(
         raise TileError(
             f"{where} has no {TILES_CHECKPOINT}", hint="pass the log's prefix: the URL or directory holding checkpoint and tile/"
         )
-    checkpoint = verify_checkpoint(note, name, public_key)
+    checkpoint = verify_checkpoint(note, name, public_key, origin=origin)
     size = checkpoint.size
     if size > max_entries:
         raise TileError(
@@ -553,9 +572,11 @@ def read_tiled_log(
                 )
             if on_entry is not None:
                 on_entry(index, entry)
-            entries.append(TiledEntry(index, sha256_bytes(entry), len(entry)))
+            if keep_entries:
+                entries.append(TiledEntry(index, sha256_bytes(entry), len(entry)))
         bundles += 1
-    return TiledLog(checkpoint, note, len(tiles), bundles, tuple(entries), tuple(missing))
+    read = size - sum(t.width for t in missing)
+    return TiledLog(checkpoint, note, len(tiles), bundles, tuple(entries), tuple(missing), read)
 
 
 def fetch_checkpoint(source: TileSource) -> bytes | None:

@@ -1,12 +1,14 @@
 """Backend of ``kvgraft-verify tiles``: read and verify a whole c2sp.org/tlog-tiles log.
 
-    kvgraft-verify tiles (URL | DIR) --log-key VKEY [--allow-missing-bundles] [--max-entries N] [--timeout S]
+    kvgraft-verify tiles (URL | DIR) --log-key VKEY [--origin NAME] [--allow-missing-bundles] [--max-entries N]
+                         [--timeout S]
 
 - URL: the log's prefix, ``http(s)://...`` (kvgraft's registry serves it at ``<registry>/tlog/``);
   read with httpx, which a verifier-only install lacks: there, read a directory copy.
 - DIR: a directory holding ``checkpoint`` and ``tile/`` (``kvgraft tiles export --out DIR``).
 - VKEY: the log's note verifier key, ``<name>+<8 hex key id>+<base64 key>`` (kvgraft's registry
   serves it as ``vkey`` at ``GET /v1/log/key``).
+- NAME: the log's origin, which the checkpoint must then name (a key may sign several logs).
 
 Prints the tree size, the root and the number of tiles, bundles and entries verified; with
 ``--json`` also every entry's index, size and sha256 digest (kvgraft's entry digest).
@@ -30,7 +32,9 @@ from .tiles import (
 
 def _cmd_tiles(args: argparse.Namespace) -> dict[str, Any]:
     target: str = args.log
-    options: dict[str, Any] = {"max_entries": args.max_entries, "allow_missing_bundles": args.allow_missing_bundles}
+    options: dict[str, Any] = {
+        "origin": args.origin, "max_entries": args.max_entries, "allow_missing_bundles": args.allow_missing_bundles,
+    }
     if target.startswith(("http://", "https://")):
         with HttpTileSource(target, timeout=args.timeout) as source:
             log = read_tiled_log(source, args.log_key, **options)
@@ -83,6 +87,8 @@ def add_tiles_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("log", metavar="URL|DIR", help="the log's URL prefix (http[s]://.../tlog/) or a directory copy")
     p.add_argument("--log-key", required=True, metavar="VKEY",
                    help="the log's note verifier key <name>+<key id>+<base64> (GET /v1/log/key: vkey)")
+    p.add_argument("--origin", metavar="NAME",
+                   help="require the checkpoint to be this log's (default: any log the key signs)")
     p.add_argument("--allow-missing-bundles", action="store_true",
                    help="list entry bundles the log does not serve (entries over 65,535 bytes) instead of failing")
     p.add_argument("--max-entries", type=_positive, default=DEFAULT_MAX_ENTRIES, metavar="N",

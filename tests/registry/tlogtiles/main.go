@@ -7,8 +7,11 @@
 // (which authenticates each tile it loads against the checkpoint's tree hash), recomputes the
 // root with tlog.TreeHash, then rebuilds every tile the tree has, partial widths included
 // (tlog.NewTiles from size 0), with tlog.ReadTileData from a hash store it builds itself from
-// those leaf hashes (tlog.StoredHashesForRecordHash), not from the served tiles. The test
-// (tests/registry/test_tiles.py) compares those tiles byte for byte with kvgraft's.
+// those leaf hashes (tlog.StoredHashesForRecordHash), not from the served tiles, and reads every
+// entry bundle of the tree (the spec's big-endian uint16 length prefixes, parsed here), each
+// entry checked with tlog.RecordHash against its leaf hash. The test
+// (tests/registry/test_tiles.py) compares those tiles byte for byte with kvgraft's, and the
+// entries with the envelopes published.
 //
 // Go's tlog names a tile tile/H/L/NNN[.p/W] with the height H in the path and data tiles as
 // L = -1, "data"; c2sp.org/tlog-tiles fixes H = 8 and leaves it out, and names entry bundles
@@ -21,6 +24,7 @@ package main
 import (
 	"bytes"
 	"encoding/base64"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -122,6 +126,28 @@ type result struct {
 	TreeHash string            `json:"tree_hash"`
 	Leaves   []string          `json:"leaves"`
 	Tiles    map[string]string `json:"tiles"`
+	Entries  []string          `json:"entries"`
+}
+
+// splitBundle parses an entry bundle of want entries: each a big-endian uint16 length, then
+// that many bytes, and nothing after the last.
+func splitBundle(data []byte, want int) ([][]byte, error) {
+	var entries [][]byte
+	for len(entries) < want {
+		if len(data) < 2 {
+			return nil, fmt.Errorf("ends after %d of %d entries", len(entries), want)
+		}
+		n := int(binary.BigEndian.Uint16(data))
+		if len(data) < 2+n {
+			return nil, fmt.Errorf("entry %d claims %d bytes, %d remain", len(entries), n, len(data)-2)
+		}
+		entries = append(entries, data[2:2+n])
+		data = data[2+n:]
+	}
+	if len(data) != 0 {
+		return nil, fmt.Errorf("%d bytes after %d entries", len(data), want)
+	}
+	return entries, nil
 }
 
 func run() error {
@@ -221,6 +247,28 @@ func run() error {
 			return err
 		}
 		out.Tiles[c2spPath(t)] = base64.StdEncoding.EncodeToString(data)
+	}
+	// Every entry, from the bundles of this tree size, against the leaf hashes authenticated above.
+	for n := int64(0); n*256 < size; n++ {
+		w := size - n*256
+		if w > 256 {
+			w = 256
+		}
+		t := tlog.Tile{H: height, L: -1, N: n, W: int(w)}
+		data, err := src.fetch(c2spPath(t))
+		if err != nil {
+			return err
+		}
+		entries, err := splitBundle(data, int(w))
+		if err != nil {
+			return fmt.Errorf("%s: %w", c2spPath(t), err)
+		}
+		for i, e := range entries {
+			if tlog.RecordHash(e) != leaves[n*256+int64(i)] {
+				return fmt.Errorf("%s: entry %d does not hash to its leaf", c2spPath(t), i)
+			}
+			out.Entries = append(out.Entries, base64.StdEncoding.EncodeToString(e))
+		}
 	}
 	var buf bytes.Buffer
 	enc := json.NewEncoder(&buf)
