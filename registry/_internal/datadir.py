@@ -10,11 +10,13 @@
     DATA/admin.json             while a server runs: its URL and admin secret (0600)
     DATA/signed-head.json       the last tree head the registry signed, kept outside DuckDB
                                 so that a rolled-back database is refused (see service.py)
+    DATA/.signed-head.lock      flock'ed while signed-head.json is written (it never moves back)
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -45,6 +47,8 @@ KEY_FILE = "registry-key.pem"
 PUBLIC_KEY_FILE = "registry-key.pub.pem"
 ADMIN_FILE = "admin.json"
 SIGNED_HEAD_FILE = "signed-head.json"
+#: ``flock``ed around each write of the signed head, so processes sharing the directory never move it back.
+SIGNED_HEAD_LOCK_FILE = ".signed-head.lock"
 #: A signed head file is a few hundred bytes; anything much larger is not one.
 _MAX_SIGNED_HEAD_BYTES = 64 * 1024
 
@@ -222,11 +226,18 @@ class SignedHead:
     checkpoint: bytes
 
 
-def write_signed_head(data: DataDir, head: SignedHead) -> None:
+def write_signed_head(data: DataDir, head: SignedHead) -> bool:
     """Replace ``signed-head.json`` atomically and durably: temp file, fsync, rename, fsync of the directory.
 
     A crash leaves the old file or the new one, never a mix; once this returns, the new head
     survives a power loss. Raises ``OSError`` as the file system reports it.
+
+    Never moves the file back: under an ``flock`` of ``SIGNED_HEAD_LOCK_FILE``, a file already
+    at a larger tree size is kept. Processes sharing the directory (a PostgreSQL deployment)
+    write it concurrently: a sequencer that committed a batch, then paused while another took
+    the lease and appended, or a follower starting with the head it read a moment ago, would
+    otherwise write an older head over a newer one, and a database rolled back to that older
+    size would then pass the start-up check. Returns whether the file was written.
     """
     doc = {
         "origin": head.origin,
@@ -234,8 +245,21 @@ def write_signed_head(data: DataDir, head: SignedHead) -> None:
         "root_hash": head.root_hash.hex(),
         "checkpoint": head.checkpoint.decode("utf-8"),
     }
-    # The one atomic writer; its temp files are the ``.signed-head.json.*.tmp`` removed below.
-    write_atomic(data.signed_head_path, (json.dumps(doc, indent=2) + "\n").encode("utf-8"), 0o600)
+    fd = os.open(data.root / SIGNED_HEAD_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        # Held for one read and one small fsynced write, by registry processes only.
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            current = read_signed_head(data)
+        except DataDirError:
+            current = None  # unreadable: replaced by a good head (the start-up check refuses it otherwise)
+        if current is not None and current.tree_size > head.tree_size:
+            return False
+        # The one atomic writer; its temp files are the ``.signed-head.json.*.tmp`` removed below.
+        write_atomic(data.signed_head_path, (json.dumps(doc, indent=2) + "\n").encode("utf-8"), 0o600)
+        return True
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def remove_stale_head_temps(data: DataDir, *, min_age: float = 0.0) -> None:
