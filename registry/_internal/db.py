@@ -67,6 +67,11 @@ RETRY_AFTER_SECONDS = 1
 LOCK_CLASS = 0x6B766772
 LOG_LOCK = 1
 LEASE_LOCK = 2
+#: Seconds an append waits for ``LOG_LOCK`` before it gives up (503): another process holds it
+#: while it reads the log to start or take over, or while it is paused (SIGSTOP, a VM freeze),
+#: which its still-open session does not show. The sequencer waits under ``Database.lock``, so
+#: an unbounded wait would stall this process's reads and every queued publish with it.
+LOG_LOCK_WAIT_SECONDS = 30.0
 #: LISTEN/NOTIFY channels: a new log head was committed; publishers, keys or tokens changed.
 LOG_CHANNEL = "kvgraft_log"
 ACCOUNTS_CHANNEL = "kvgraft_accounts"
@@ -264,8 +269,32 @@ class PostgresDialect(Dialect):
         """Nothing to do: a commit is durable when PostgreSQL acknowledges it (its WAL is fsynced)."""
 
     def lock_log(self, conn: Connection) -> None:
-        """``pg_advisory_xact_lock(LOG_LOCK)``: released by the commit or rollback, or if the session dies."""
-        conn.execute("SELECT pg_advisory_xact_lock(?, ?)", [LOCK_CLASS, LOG_LOCK]).fetchall()
+        """``pg_advisory_xact_lock(LOG_LOCK)``: released by the commit or rollback, or if the session dies.
+
+        Waits at most ``LOG_LOCK_WAIT_SECONDS`` (``lock_timeout``, for this transaction only), then
+        raises ``DatabaseConflictError`` (503 with Retry-After); the transaction rolls back. The
+        append's commit is made synchronous whatever the server's default: publishers are answered
+        once it returns, so a ``synchronous_commit = off`` tuning must not let an answered entry
+        (and its signed checkpoint) vanish in a server crash.
+        """
+        import psycopg
+
+        conn.execute(
+            "SELECT set_config('lock_timeout', ?, true), set_config('synchronous_commit', 'on', true)",
+            [f"{int(LOG_LOCK_WAIT_SECONDS * 1000)}ms"],
+        ).fetchall()
+        try:
+            conn.execute("SELECT pg_advisory_xact_lock(?, ?)", [LOCK_CLASS, LOG_LOCK]).fetchall()
+        except RegistryError as e:
+            if not isinstance(e.__cause__, psycopg.errors.LockNotAvailable):
+                raise
+            raise DatabaseConflictError(
+                f"another registry process has held the log for more than {LOG_LOCK_WAIT_SECONDS:g} s (it is starting, "
+                "taking over, or paused); nothing was logged",
+                retry_after=RETRY_AFTER_SECONDS,
+                hint="send the same request again (publishing is idempotent); if it persists, find the registry process "
+                "holding the log (pg_locks, application_name kvgraft-registry) and restart it",
+            ) from e
 
     def notify(self, conn: Connection, channel: str) -> None:
         """``pg_notify(channel)``: delivered to every listening session when the transaction commits."""

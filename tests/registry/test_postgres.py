@@ -332,3 +332,48 @@ def test_a_postgres_restart_is_survived(tmp_path: Path, keys: dict[str, Key]) ->
             assert doc["entry"]["log_index"] == before.json()["entry"]["log_index"] + 1
             got = httpx.get(f"{server.url}/v1/entries/{before.json()['entry']['digest']}", timeout=10)
             assert got.status_code == 200
+
+
+def test_append_waiting_for_a_held_log_lock_gives_up_with_503(
+    postgres: PostgresServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process holding LOG_LOCK (starting on a long log, or paused) must not stall the sequencer forever."""
+    from kvgraft.registry._internal import db as db_module
+    from kvgraft.registry._internal.errors import DatabaseConflictError
+
+    monkeypatch.setattr(db_module, "LOG_LOCK_WAIT_SECONDS", 0.5)
+    url = postgres.database()
+    db = db_module.Database.open(tmp_path, database=url)
+    db.release_log()
+    try:
+        with psycopg.connect(url, autocommit=True) as holder:
+            holder.execute("SELECT pg_advisory_lock(%s, %s)", [db_module.LOCK_CLASS, db_module.LOG_LOCK]).fetchall()
+            started = time.monotonic()
+            with pytest.raises(DatabaseConflictError, match=r"has held the log for more than 0.5 s .*nothing was logged"):
+                with db.transaction() as conn:
+                    db.dialect.lock_log(conn)
+            assert time.monotonic() - started < 10
+        with db.transaction() as conn:  # released: the next append gets it at once
+            db.dialect.lock_log(conn)
+    finally:
+        db.close()
+
+
+def test_append_commit_is_synchronous_even_when_the_server_default_is_off(postgres: PostgresServer, tmp_path: Path) -> None:
+    """Publishers are answered once the append commits: a server tuned to synchronous_commit=off
+    must not acknowledge that commit before its WAL is flushed."""
+    from kvgraft.registry._internal import db as db_module
+
+    url = postgres.database()
+    db = db_module.Database.open(tmp_path, database=url)
+    db.release_log()
+    try:
+        db.conn.execute("SET synchronous_commit = off").fetchall()  # what a server-wide tuning gives each session
+        with db.transaction() as conn:
+            db.dialect.lock_log(conn)
+            row = conn.execute("SHOW synchronous_commit").fetchone()
+        assert row is not None and row[0] == "on"
+        after = db.conn.execute("SHOW synchronous_commit").fetchone()
+        assert after is not None and after[0] == "off"  # only the append transaction is changed
+    finally:
+        db.close()
