@@ -288,13 +288,7 @@ class PostgresDialect(Dialect):
         except RegistryError as e:
             if not isinstance(e.__cause__, psycopg.errors.LockNotAvailable):
                 raise
-            raise DatabaseConflictError(
-                f"another registry process has held the log for more than {LOG_LOCK_WAIT_SECONDS:g} s (it is starting, "
-                "taking over, or paused); nothing was logged",
-                retry_after=RETRY_AFTER_SECONDS,
-                hint="send the same request again (publishing is idempotent); if it persists, find the registry process "
-                "holding the log (pg_locks, application_name kvgraft-registry) and restart it",
-            ) from e
+            raise log_lock_timeout("nothing was logged") from e
 
     def notify(self, conn: Connection, channel: str) -> None:
         """``pg_notify(channel)``: delivered to every listening session when the transaction commits."""
@@ -389,6 +383,17 @@ def postgres_error(e: Exception, location: str) -> RegistryError:
             retry_after=RETRY_AFTER_SECONDS,
         )
     return RegistryError(f"the registry's PostgreSQL database refused a statement: {_first_line(e)}")
+
+
+def log_lock_timeout(outcome: str) -> DatabaseConflictError:
+    """The 503 for a wait for ``LOG_LOCK`` past ``LOG_LOCK_WAIT_SECONDS`` (``outcome``: what was not done)."""
+    return DatabaseConflictError(
+        f"another registry process has held the log for more than {LOG_LOCK_WAIT_SECONDS:g} s (it is starting, "
+        f"taking over, or paused); {outcome}",
+        retry_after=RETRY_AFTER_SECONDS,
+        hint="send the same request again (publishing is idempotent); if it persists, find the registry process "
+        "holding the log (pg_locks, application_name kvgraft-registry) and restart it",
+    )
 
 
 def _first_line(e: Exception) -> str:
@@ -650,9 +655,22 @@ class Database:
         """
         if not self.dialect.shared:
             return
+        import psycopg
+
         with self.lock:
             if not self._holds_log:
-                self.conn.execute("SELECT pg_advisory_lock(?, ?)", [LOCK_CLASS, LOG_LOCK]).fetchall()
+                # Bounded like an append's wait (``LOG_LOCK_WAIT_SECONDS``): a paused holder must not
+                # stall a start or a take-over (which holds ``Database.lock``) for good.
+                self.conn.execute("SELECT set_config('lock_timeout', ?, false)", [f"{int(LOG_LOCK_WAIT_SECONDS * 1000)}ms"]).fetchall()
+                try:
+                    self.conn.execute("SELECT pg_advisory_lock(?, ?)", [LOCK_CLASS, LOG_LOCK]).fetchall()
+                except RegistryError as e:
+                    if not isinstance(e.__cause__, psycopg.errors.LockNotAvailable):
+                        raise
+                    raise log_lock_timeout("the log was not read") from e
+                finally:
+                    with contextlib.suppress(RegistryError):
+                        self.conn.execute("RESET lock_timeout").fetchall()
                 self._holds_log = True
 
     def release_log(self) -> None:

@@ -353,6 +353,9 @@ def test_append_waiting_for_a_held_log_lock_gives_up_with_503(
                 with db.transaction() as conn:
                     db.dialect.lock_log(conn)
             assert time.monotonic() - started < 10
+            # A start (or a take-over) reading the log waits no longer either.
+            with pytest.raises(DatabaseConflictError, match=r"has held the log for more than 0.5 s .*the log was not read"):
+                db_module.Database.open(tmp_path, database=url)
         with db.transaction() as conn:  # released: the next append gets it at once
             db.dialect.lock_log(conn)
     finally:
