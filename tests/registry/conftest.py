@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -319,20 +319,26 @@ def registry_cli(*args: str | Path, timeout: float = 60) -> subprocess.Completed
     )
 
 
-class Server:
-    """``kvgraft serve`` in a subprocess on 127.0.0.1; always stopped by ``stop``."""
+class KvgraftProcess:
+    """``python -m kvgraft ARGS`` serving on 127.0.0.1:``port``; always stopped by ``stop``.
 
-    def __init__(self, data: Path, log: Path, *extra: str) -> None:
-        self.data = data
-        self.port = free_port()
+    Subclasses say what they are (``what``, for messages) and when they answer (``ready``).
+    """
+
+    what = "process"
+
+    def __init__(self, args: Sequence[str], log: Path, port: int) -> None:
+        self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
         self._log_path = log
         self._log = log.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvgraft", "serve", "--data", str(data), "--port", str(self.port),
-             "--log-level", "warning", *extra],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
+            [sys.executable, "-m", "kvgraft", *args], stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO
         )
+
+    def ready(self) -> bool:
+        """Whether the process answers its probe request now."""
+        raise NotImplementedError
 
     def log(self) -> str:
         return self._log_path.read_text(errors="replace")
@@ -341,13 +347,13 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError(f"the {self.what} exited with {self.proc.returncode}:\n{self.log()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/v1/log/checkpoint", timeout=2).status_code == 200:
+                if self.ready():
                     return
             time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"the server did not answer within {timeout} s:\n{self.log()}")
+        raise RuntimeError(f"the {self.what} did not answer within {timeout} s:\n{self.log()}")
 
     def stop(self) -> int:
         """SIGTERM, then SIGKILL after 20 s; returns the exit status."""
@@ -360,6 +366,20 @@ class Server:
                 self.proc.wait(timeout=10)
         self._log.close()
         return self.proc.returncode
+
+
+class Server(KvgraftProcess):
+    """``kvgraft serve`` in a subprocess on 127.0.0.1; always stopped by ``stop``."""
+
+    what = "server"
+
+    def __init__(self, data: Path, log: Path, *extra: str) -> None:
+        self.data = data
+        port = free_port()
+        super().__init__(["serve", "--data", str(data), "--port", str(port), "--log-level", "warning", *extra], log, port)
+
+    def ready(self) -> bool:
+        return httpx.get(self.url + "/v1/log/checkpoint", timeout=2).status_code == 200
 
     @property
     def pid(self) -> int:

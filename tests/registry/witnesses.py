@@ -6,9 +6,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -33,7 +30,7 @@ from kvgraft.verifier import (
     sign_checkpoint,
 )
 
-from .conftest import REPO, Key, free_port
+from .conftest import Key, KvgraftProcess, free_port
 
 #: The origin every test registry here is started with (``kvgraft serve --origin``).
 ORIGIN = "witness-test.example/log"
@@ -62,20 +59,18 @@ def registry_data(data: Path) -> LogKey:
     return LogKey(key)
 
 
-class WitnessServer:
+class WitnessServer(KvgraftProcess):
     """``kvgraft witness serve`` in a subprocess on 127.0.0.1; always stopped by ``stop``."""
+
+    what = "witness"
 
     def __init__(self, key: Key, name: str, state: Path, logs: Sequence[str], log: Path) -> None:
         self.key, self.name, self.state = key, name, state
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log_path = log
-        self._log = log.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvgraft", "witness", "serve", "--key", str(key.path), "--name", name,
-             "--state", str(state), "--port", str(self.port), "--log-level", "info",
-             *[arg for vkey in logs for arg in ("--log", vkey)]],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
+        port = free_port()
+        super().__init__(
+            ["witness", "serve", "--key", str(key.path), "--name", name, "--state", str(state), "--port", str(port),
+             "--log-level", "info", *[arg for vkey in logs for arg in ("--log", vkey)]],
+            log, port,
         )
 
     @property
@@ -87,31 +82,8 @@ class WitnessServer:
         """``--witness`` for ``kvgraft serve``: VKEY=URL."""
         return f"{self.witness_key.vkey}={self.url}"
 
-    def log(self) -> str:
-        return self._log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the witness exited with {self.proc.returncode}:\n{self.log()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.options(self.url + "/add-checkpoint", timeout=2).status_code == 204:
-                    return
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"the witness did not answer within {timeout} s:\n{self.log()}")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._log.close()
-        return self.proc.returncode
+    def ready(self) -> bool:
+        return httpx.options(self.url + "/add-checkpoint", timeout=2).status_code == 204
 
     def add_checkpoint(self, body: bytes) -> httpx.Response:
         return httpx.post(self.url + "/add-checkpoint", content=body, timeout=30)

@@ -58,6 +58,20 @@ def _model(root: Path) -> Path:
     return d
 
 
+def _signed_subject_dir(root: Path, directory: str, subject: str, data: bytes, envelope: str, private: Path) -> Path:
+    """``root/directory`` holding one file ``subject`` and ``envelope``, a statement over it signed by ``private``."""
+    d = root / directory
+    d.mkdir()
+    (d / subject).write_bytes(data)
+    statement = Statement(
+        subject=[Subject(name=subject, digest=SubjectDigest(sha256=hex_of(sha256_file(d / subject))))],
+        predicate_type="https://example.com/test/v1", predicate={},
+    )
+    with open_signing_key(private) as signer:
+        (d / envelope).write_bytes(envelope_json(sign_statement(statement, [signer])))
+    return d
+
+
 def _sign(directory: Path, private: Path) -> None:
     with open_signing_key(private) as signer:
         (directory / "model.sig").write_bytes(sign_model_directory(directory, signer).bundle)
@@ -365,15 +379,7 @@ def test_an_empty_directory_is_not_signed(tmp_path: Path) -> None:
 
 def test_envelope_artifact_dir_accepts_and_checks_model_sig(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     private, public = key_files(tmp_path, "p256")
-    d = tmp_path / "record"
-    d.mkdir()
-    (d / "outputs.bin").write_bytes(b"the record's only subject")
-    statement = Statement(
-        subject=[Subject(name="outputs.bin", digest=SubjectDigest(sha256=hex_of(sha256_file(d / "outputs.bin"))))],
-        predicate_type="https://example.com/test/v1", predicate={},
-    )
-    with open_signing_key(private) as signer:
-        (d / "record.dsse.json").write_bytes(envelope_json(sign_statement(statement, [signer])))
+    d = _signed_subject_dir(tmp_path, "record", "outputs.bin", b"the record's only subject", "record.dsse.json", private)
     trust = tmp_path / "trust.json"
     trust.write_text(json.dumps(_trust(public).to_json()))
     argv = ["--json", "envelope", str(d / "record.dsse.json"), "--trusted-keys", str(trust), "--artifact-dir", str(d)]
@@ -550,15 +556,7 @@ def test_envelope_artifact_dir_passes_over_a_model_sig_by_an_untrusted_key(tmp_p
     hub_dir = tmp_path / "hub"
     hub_dir.mkdir()
     hub, hub_pub = key_files(hub_dir, "p384")
-    d = tmp_path / "artifact"
-    d.mkdir()
-    (d / "kv.bin").write_bytes(b"tensors")
-    statement = Statement(
-        subject=[Subject(name="kv.bin", digest=SubjectDigest(sha256=hex_of(sha256_file(d / "kv.bin"))))],
-        predicate_type="https://example.com/test/v1", predicate={},
-    )
-    with open_signing_key(ours) as signer:
-        (d / "statement.dsse.json").write_bytes(envelope_json(sign_statement(statement, [signer])))
+    d = _signed_subject_dir(tmp_path, "artifact", "kv.bin", b"tensors", "statement.dsse.json", ours)
     ms_sign(d, hub)  # the real tool, with a key we do not trust
     ms_accepts(d, hub_pub)
     trust = tmp_path / "trust.json"
@@ -582,15 +580,7 @@ def test_envelope_artifact_dir_passes_over_a_model_sig_by_an_untrusted_key(tmp_p
 def test_envelope_artifact_dir_passes_over_a_model_sig_kvgraft_cannot_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Regression: a keyless (certificate) model.sig beside an artifact refused the whole check."""
     private, public = key_files(tmp_path, "p256")
-    d = tmp_path / "artifact"
-    d.mkdir()
-    (d / "kv.bin").write_bytes(b"tensors")
-    statement = Statement(
-        subject=[Subject(name="kv.bin", digest=SubjectDigest(sha256=hex_of(sha256_file(d / "kv.bin"))))],
-        predicate_type="https://example.com/test/v1", predicate={},
-    )
-    with open_signing_key(private) as signer:
-        (d / "statement.dsse.json").write_bytes(envelope_json(sign_statement(statement, [signer])))
+    d = _signed_subject_dir(tmp_path, "artifact", "kv.bin", b"tensors", "statement.dsse.json", private)
     _sign(d, private)
     _edit(d / "model.sig", lambda b: b["verificationMaterial"].pop("publicKey") and b["verificationMaterial"].update(
         certificate={"rawBytes": "AA=="}))
