@@ -9,6 +9,14 @@ lease changes hands within that, plus the time PostgreSQL takes to notice the se
 (at once for a dead process, whose kernel closes the socket; the lease session's TCP
 keepalives, set below, bound it for a lost machine).
 
+A holder that is alive but stopped (``SIGSTOP``, a frozen VM, a hung thread) keeps its session
+and so the lock. Its lease thread therefore renews a heartbeat in ``meta`` every ``poll_seconds``
+(the time by the database's clock, with the process's ``session_tag``); a follower that finds it
+older than ``expiry_seconds`` ends every session of that process (``PostgresDialect.end_lease_holder``:
+its open append rolls back, its lease is released) and takes the lease on its next try. When the
+stopped process runs again it finds its sessions gone, and steps down before it can commit: the
+guard below checks the lease in the same transaction as the append.
+
 A process that takes the lease first reads the log whole under ``LOG_LOCK`` (so that it waits
 for any append still committing), checks it against ``signed-head.json`` as a start does, and
 only then sequences (``Registry.take_over``); one that cannot (the database is behind the head
@@ -37,7 +45,7 @@ import socket
 import threading
 from typing import TYPE_CHECKING, Any
 
-from .db import ACCOUNTS_CHANNEL, LOG_CHANNEL, Connection, PostgresConnection, PostgresDialect, now_utc
+from .db import ACCOUNTS_CHANNEL, LOG_CHANNEL, Connection, PostgresConnection, PostgresDialect, now_utc, session_tag
 from .errors import NotSequencerError, RegistryError
 
 if TYPE_CHECKING:
@@ -47,6 +55,8 @@ logger = logging.getLogger("kvgraft.registry")
 
 #: Seconds between a follower's tries for the lease (and the holder's checks that it still holds it).
 LEASE_POLL_SECONDS = 0.5
+#: Seconds without a heartbeat (by the database's clock) after which a holder is taken to be stopped.
+LEASE_EXPIRY_SECONDS = 10.0
 #: Retry-After of a follower's refusal: about when a lease left by a dead holder is taken.
 RETRY_AFTER_SECONDS = 2
 #: The ``meta`` key naming the process that holds the lease (JSON: host, pid, url, since).
@@ -72,17 +82,27 @@ class Cluster:
     ``holds_lease`` and ``refusal``.
     """
 
-    def __init__(self, registry: Registry, *, url: str | None, poll_seconds: float = LEASE_POLL_SECONDS) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        url: str | None,
+        poll_seconds: float = LEASE_POLL_SECONDS,
+        expiry_seconds: float = LEASE_EXPIRY_SECONDS,
+    ) -> None:
         if not isinstance(registry.db.dialect, PostgresDialect):
             raise TypeError("a Cluster needs a registry on a shared (PostgreSQL) database")
         self.registry = registry
         self.dialect: PostgresDialect = registry.db.dialect
         self.poll_seconds = poll_seconds
+        self.expiry_seconds = expiry_seconds
         self.identity = {"host": socket.gethostname()[:_MAX_NAME], "pid": os.getpid(), "url": url}
         self._conn: PostgresConnection | None = None
         #: The lease session's server pid while this process holds the lease (pg_locks names it).
         self._lease_pid: int | None = None
         self._holder: dict[str, Any] | None = None
+        #: When this process took the lease (UTC, as ``now_utc`` writes it).
+        self._since: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvgraft-lease", daemon=True)
 
@@ -176,7 +196,9 @@ class Cluster:
         if conn is None:
             return
         if self.holds_lease:
-            if not self.dialect.lease_held(conn, conn.backend_pid):
+            if self.dialect.lease_held(conn, conn.backend_pid):
+                self._beat(conn)
+            else:
                 logger.error("process %d lost the sequencer lease", os.getpid())
                 self._step_down()
         else:
@@ -186,8 +208,39 @@ class Cluster:
             if self.dialect.try_lease(conn):
                 self._take_over(conn)
         if not self.holds_lease:
-            self._holder = _holder(self.registry.db.get_meta(SEQUENCER_META))
+            record = _record(self.registry.db.get_meta(SEQUENCER_META))
+            self._holder = _holder(record)
+            self._end_stopped_holder(conn, record)
             self.registry.catch_up()
+
+    def _beat(self, conn: PostgresConnection) -> None:
+        """Write who sequences, with a heartbeat by the database's clock (``meta``, on the lease session)."""
+        me = {**self.identity, "since": self._since, "tag": session_tag(), "beat": self.dialect.clock(conn)}
+        conn.execute(
+            "INSERT INTO meta VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            [SEQUENCER_META, json.dumps(me)],
+        ).fetchall()
+
+    def _end_stopped_holder(self, conn: PostgresConnection, record: dict[str, Any] | None) -> None:
+        """End the sessions of a holder whose heartbeat is older than ``expiry_seconds``: it is stopped or hung."""
+        if record is None:
+            return
+        tag, beat = record.get("tag"), record.get("beat")
+        if not isinstance(tag, str) or not isinstance(beat, int | float) or tag == session_tag():
+            return
+        age = self.dialect.clock(conn) - float(beat)
+        if age <= self.expiry_seconds:
+            return
+        try:
+            ended = self.dialect.end_lease_holder(conn, tag)
+        except ValueError:
+            return  # not a tag this code writes: nothing to end by it
+        if ended:
+            logger.warning(
+                "the sequencer (process %s on %s) has not renewed its lease for %.1f s: ended its %d database "
+                "session(s), so that the lease can be taken",
+                record.get("pid"), record.get("host"), age, ended,
+            )
 
     def _take_over(self, conn: PostgresConnection) -> None:
         try:
@@ -196,9 +249,9 @@ class Cluster:
             logger.error("process %d got the sequencer lease but gives it back: %s", os.getpid(), e.message)
             self.dialect.release_lease(conn)
             return
-        me = {**self.identity, "since": now_utc()}
-        self.registry.db.set_meta(SEQUENCER_META, json.dumps(me))
-        self._holder = me
+        self._since = now_utc()
+        self._beat(conn)
+        self._holder = {**self.identity, "since": self._since}
         self._lease_pid = conn.backend_pid
         logger.warning("process %d now sequences the log (tree size %d)", os.getpid(), size)
 
@@ -249,15 +302,20 @@ class Cluster:
         self.dialect.notify(conn, LOG_CHANNEL)
 
 
-def _holder(raw: str | None) -> dict[str, Any] | None:
-    """The lease holder's identity as ``meta`` holds it (None when unreadable)."""
-    if raw is None or len(raw) > 4 * _MAX_NAME:
+def _record(raw: str | None) -> dict[str, Any] | None:
+    """The lease holder's record as ``meta`` holds it: host, pid, url, since, tag, beat (None when unreadable)."""
+    if raw is None or len(raw) > 5 * _MAX_NAME:
         return None
     try:
         doc = json.loads(raw)
     except ValueError:
         return None
-    if not isinstance(doc, dict):
+    return doc if isinstance(doc, dict) else None
+
+
+def _holder(record: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The holder's identity as a refusal names it."""
+    if record is None:
         return None
-    return {k: doc.get(k) for k in ("host", "pid", "url", "since")}
+    return {k: record.get(k) for k in ("host", "pid", "url", "since")}
 

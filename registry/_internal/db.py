@@ -23,7 +23,9 @@ registry errors here (an unreachable server 503 ``DatabaseUnavailableError``, a 
 change 503 ``DatabaseConflictError``). Cross-process order comes from advisory locks on one
 key class: ``LOG_LOCK`` (held while the log is appended to, and while a process reads the log
 to start or to take the lease, so it never reads half of another's batch) and ``LEASE_LOCK``
-(the sequencer lease, held for as long as its session lives; cluster.py).
+(the sequencer lease, held for as long as its session lives; cluster.py). Every session a process
+opens names it in its ``application_name``: ``kvgraft-registry <pid>.<random>`` (``session_tag``),
+so that a process that finds the sequencer stopped can end exactly that process's sessions.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ import contextlib
 import datetime as dt
 import functools
 import logging
+import os
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -317,6 +321,32 @@ class PostgresDialect(Dialect):
         ).fetchone()
         return bool(row and int(row[0]))
 
+    def clock(self, conn: Connection) -> float:
+        """The database server's clock (Unix seconds): the one clock every process of a cluster shares."""
+        row = conn.execute("SELECT CAST(extract(epoch FROM clock_timestamp()) AS DOUBLE PRECISION)").fetchone()
+        if row is None:
+            raise RegistryError("the PostgreSQL database did not tell its time")
+        return float(row[0])
+
+    def end_lease_holder(self, conn: Connection, tag: str) -> int:
+        """If the process marked ``tag`` (``session_tag``) holds the lease, end all its sessions; how many.
+
+        Its transactions roll back and its advisory locks, the lease among them, are released. A
+        process of that tag that does not hold the lease (it stepped down, and is a follower now)
+        is left alone. Needs the same role as that process's, or ``pg_signal_backend``.
+        """
+        if not re.fullmatch(r"[0-9]{1,10}\.[0-9a-f]{8}", tag):
+            raise ValueError(f"{tag[:40]!r} is not a session tag")
+        pattern = f"kvgraft-registry% {tag}"
+        rows = conn.execute(
+            "SELECT pg_terminate_backend(a.pid) FROM pg_stat_activity a WHERE a.application_name LIKE ? "
+            "AND a.pid <> pg_backend_pid() AND EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity h ON h.pid = l.pid "
+            "WHERE l.locktype = 'advisory' AND l.classid = CAST(? AS oid) AND l.objid = CAST(? AS oid) "
+            "AND l.objsubid = 2 AND l.granted AND h.application_name LIKE ?)",
+            [pattern, LOCK_CLASS, LEASE_LOCK, pattern],
+        ).fetchall()
+        return sum(1 for (ended,) in rows if ended)
+
     def listen(self, conn: PostgresConnection, channels: Sequence[str]) -> None:
         """Subscribe the session to ``channels`` (the registry's constants)."""
         for channel in channels:
@@ -385,6 +415,22 @@ def postgres_error(e: Exception, location: str) -> RegistryError:
     return RegistryError(f"the registry's PostgreSQL database refused a statement: {_first_line(e)}")
 
 
+_session_tag: tuple[int, str] | None = None
+
+
+def session_tag() -> str:
+    """This process's mark, ``<pid>.<8 hex>``, the last word of each of its sessions' ``application_name``.
+
+    Random as well as the pid, since pids repeat across machines and restarts; made anew in a
+    forked child, which is another process.
+    """
+    global _session_tag
+    pid = os.getpid()
+    if _session_tag is None or _session_tag[0] != pid:
+        _session_tag = (pid, f"{pid}.{secrets.token_hex(4)}")
+    return _session_tag[1]
+
+
 def log_lock_timeout(outcome: str) -> DatabaseConflictError:
     """The 503 for a wait for ``LOG_LOCK`` past ``LOG_LOCK_WAIT_SECONDS`` (``outcome``: what was not done)."""
     return DatabaseConflictError(
@@ -392,7 +438,7 @@ def log_lock_timeout(outcome: str) -> DatabaseConflictError:
         f"taking over, or paused); {outcome}",
         retry_after=RETRY_AFTER_SECONDS,
         hint="send the same request again (publishing is idempotent); if it persists, find the registry process "
-        "holding the log (pg_locks, application_name kvgraft-registry) and restart it",
+        "holding the log (pg_locks, application_name 'kvgraft-registry <pid>.<tag>') and restart it",
     )
 
 
@@ -449,7 +495,10 @@ class PostgresConnection:
 
         try:
             return psycopg.connect(
-                self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT, application_name=self._application_name
+                self.url,
+                autocommit=True,
+                connect_timeout=CONNECT_TIMEOUT,
+                application_name=f"{self._application_name} {session_tag()}",
             )
         except psycopg.Error as e:
             raise DatabaseUnavailableError(

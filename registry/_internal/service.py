@@ -397,7 +397,8 @@ class Registry:
             head, log = self._head, self.log
             if log.size != head.size:
                 # Leaves past the head (a batch this process appended as sequencer, which failed or was
-                # refused): the database decides which exist, so the tree restarts from its head.
+                # refused): the database decides which exist, so the tree restarts from its head, as the
+                # database has it (which also checks that the database still holds that tree).
                 log.reset(_load_leaves(self.db)[: head.size])
                 if log.size != head.size or log.root(head.size) != head.root_hash:
                     raise LogRollbackError(
@@ -419,11 +420,11 @@ class Registry:
             known = log.size
             for expected, (index, leaf) in enumerate(queries.leaf_hashes(self.db, known, size), start=known):
                 if index != expected:
-                    self.log.reset(_load_leaves(self.db)[:known])
+                    self.log.truncate(known)
                     raise LogIntegrityError(f"the log has no entry {expected} but has entry {index}: entries are missing")
                 log.append(leaf)
             if log.size != size or log.root(size) != root:
-                self.log.reset(_load_leaves(self.db)[:known])
+                self.log.truncate(known)
                 raise LogIntegrityError(f"the entries up to tree size {size} do not make the root of its checkpoint")
             try:
                 verify_checkpoint(note, log.origin, log.public_key, origin=log.origin)
@@ -768,8 +769,9 @@ class Registry:
                     )
             except BaseException as e:
                 # The commit failed: the database has neither the entries nor the checkpoint, so the
-                # in-memory tree must forget the leaves too.
-                self.log.reset(_load_leaves(self.db))
+                # in-memory tree forgets the leaves too. In memory, so it cannot fail as a reload from
+                # a database that just failed could (and leave leaves no checkpoint may ever cover).
+                self.log.truncate(first)
                 what = "the entry could not be recorded" if len(entries) == 1 else f"the {len(entries)} entries of this batch could not be recorded"
                 if isinstance(e, duckdb.Error):
                     raise storage_error(e, what) or RegistryError(f"{what}: the database refused them") from e

@@ -300,7 +300,7 @@ def test_a_sequencer_cut_off_from_its_lease_steps_down(
     # End the sequencer's lease session from the database side, as a partition or an operator would.
     with psycopg.connect(url, autocommit=True) as conn:
         ended = conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'kvgraft-registry-lease' "
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name LIKE 'kvgraft-registry-lease %' "
             "AND pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted)"
         ).fetchall()
     assert ended == [(True,)]
@@ -314,6 +314,49 @@ def test_a_sequencer_cut_off_from_its_lease_steps_down(
         assert time.monotonic() < deadline, r.text
         time.sleep(0.1)
     assert httpx.get(f"{first.url}/v1/entries/{doc['entry']['log_index']}", timeout=10).status_code == 200
+
+
+def test_a_stopped_sequencer_kept_the_lease_for_good(postgres: PostgresServer, tmp_path: Path, keys: dict[str, Key]) -> None:
+    """A SIGSTOPped sequencer keeps its database session, and so the advisory lock: publishes
+    stalled until it ran again. Now the follower ends its sessions once its heartbeat is older
+    than the expiry (10 s by the database's clock), takes the lease, and the stopped process, run
+    again, steps down without committing what it held."""
+    url = postgres.database()
+    data = tmp_path / "data"
+    alice = keys["alice"]
+    memory = CheckpointMemory(tmp_path / "client-memory")
+    with _servers(data, url, 2) as (first, second):
+        token = _token(data, url, "alice", alice)
+        assert _publish(first, token, artifact("before the stop"), alice).status_code == 201
+        with RegistryClient(first.url, memory=memory) as client:
+            before, _ = client.signed_head(registry_key(client, data / "registry-key.pub.pem"))
+        os.kill(first.pid, signal.SIGSTOP)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                # A publish sent to the stopped process waits in its socket until it runs again.
+                held = pool.submit(_publish, first, token, artifact("sent to the stopped one"), alice, timeout=60)
+                doc, took = _publish_until_accepted(second, token, alice, "after the stop", 10.0 + HANDOVER_BOUND)
+                assert doc["entry"]["log_index"] == 1
+                os.kill(first.pid, signal.SIGCONT)
+                r = held.result(timeout=60)
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
+        # What the stopped process held was not logged by it: refused, or (sent again by nobody) absent.
+        assert r.status_code == 503, r.text
+        deadline = time.monotonic() + 10
+        while True:  # the one that was stopped follows, and names the new sequencer
+            r = _publish(first, token, artifact("to the one that was stopped"), alice)
+            assert r.status_code == 503, r.text
+            if f"the sequencer is process {second.pid}" in r.json()["detail"]:
+                break
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.1)
+        with RegistryClient(first.url, memory=memory) as client:
+            now, _ = client.signed_head(registry_key(client, data / "registry-key.pub.pem"))  # consistent with before
+        assert before.size == 1 and now.size == 2
+        assert took > 5.0  # not handed over while the heartbeat was fresh
+    log = (data.parent / "server-1.log").read_text()  # the follower's (``_servers``)
+    assert f"the sequencer (process {first.pid} on " in log and "has not renewed its lease" in log
 
 
 def test_a_postgres_restart_is_survived(tmp_path: Path, keys: dict[str, Key]) -> None:

@@ -339,6 +339,46 @@ def test_a_failed_commit_fails_exactly_its_batch_and_leaves_tree_database_and_he
         assert _verify_answer(key_doc, alice.sign(art.statement), o.document) == 4
 
 
+def test_failed_commit_then_unreadable_database_left_the_batch_leaves_in_the_tree(
+    batched: Harness, keys: dict[str, Key], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tree used to forget a failed batch by reloading every leaf from the database that had
+    just failed: when that read failed too, the leaves stayed, and the next batch would have been
+    numbered after them and signed a root over entries no database holds."""
+    alice = keys["alice"]
+    registry = _registry(batched)
+    batched.publish_artifact(artifact("committed before the failure"), alice)
+    root_before = registry.log.root()
+    real_transaction, real_query = registry.db.transaction, registry.db.query
+
+    def failing() -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def transaction() -> Iterator[Any]:
+            with real_transaction() as conn:
+                yield conn
+                # The database goes bad with the commit: from now on no read works either.
+                monkeypatch.setattr(registry.db, "query", _unreadable)
+                raise duckdb.IOException("simulated failure before commit")
+
+        return transaction()
+
+    def _unreadable(*args: Any, **kwargs: Any) -> Any:
+        raise duckdb.IOException("simulated: the database cannot be read")
+
+    monkeypatch.setattr(registry.db, "transaction", failing)
+    outcomes = _in_one_batch(batched, [_prepared(batched, alice, artifact(f"doomed {i}")) for i in range(2)])
+    assert all(isinstance(o, RegistryError) and "the 2 entries of this batch could not be recorded" in o.message for o in outcomes)
+    assert registry.log.size == 1 and registry.log.root() == root_before
+    monkeypatch.setattr(registry.db, "query", real_query)
+    monkeypatch.setattr(registry.db, "transaction", real_transaction)
+    later = _in_one_batch(batched, [_prepared(batched, alice, artifact("after the database came back"))])
+    assert later[0].document["entry"]["log_index"] == 1
+    key_doc = batched.client.get("/v1/log/key").json()
+    assert _verify_answer(key_doc, alice.sign(artifact("after the database came back").statement), later[0].document) == 2
+
+
 def test_a_full_queue_is_answered_503_with_retry_after_and_logs_nothing(tmp_path: Path, keys: dict[str, Key]) -> None:
     alice = keys["alice"]
     with harness(tmp_path / "data", keys, max_publish_queue=2, batch_max_entries=1, batch_wait_ms=0) as h:
