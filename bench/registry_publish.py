@@ -1,6 +1,8 @@
 """Registry publish throughput (issue 18, item 1): publishes per second against a real ``kvgraft serve``.
 
-A real ``kvgraft serve`` (uvicorn, one process, DuckDB) on 127.0.0.1, started with
+A real ``kvgraft serve`` (uvicorn, one process) on 127.0.0.1, once over DuckDB (the embedded
+default) and once over PostgreSQL (``--database``: a throwaway server of Debian's binaries on a
+free loopback port, the one the tests start, ``tests/registry/postgres.py``), started with
 ``--rate-limit 0`` (the per-token limit, 50/s by default, would cap one client, not the log).
 Each client is a Python thread with its own token and one keep-alive ``http.client``
 connection; it posts its share of pre-signed KV artifact envelopes (``POST /v1/entries``) one
@@ -17,9 +19,10 @@ inclusion proof is verified against the checkpoint beside it (signed by the regi
 the number of distinct checkpoint sizes in the answers is the number of batches the run's
 publishes were sequenced in.
 
-Target: at least 300 publishes per second with 32 clients.
+Target: at least 300 publishes per second with 32 clients on DuckDB; PostgreSQL is measured.
 
     .venv/bin/python bench/registry_publish.py [--clients 1 8 32] [--runs 3] [--publishes 1024]
+        [--backends duckdb postgres]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -277,63 +281,91 @@ def main() -> None:
                     help="publishes per run (split evenly over the clients; at least 16 each)")
     ap.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                     help="an extra argument for kvgraft serve (repeatable), e.g. --serve-arg=--batch-wait-ms=2")
+    ap.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
+                    help="the metadata databases to measure, one after the other (default: both)")
     args = ap.parse_args()
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="kvgraft-bench-publish-") as tmp:
-        data = Path(tmp) / "registry"
-        with kvgraft_server(data, args.serve_arg) as port:
-            pub = Publisher(port, data, max(args.clients))
-            for clients in args.clients:
-                per_client = max(16, args.publishes // clients)
-                pub.envelopes(0, 1)  # imports and key set-up outside the clock
-                runs = []
-                for r in range(args.runs):
-                    run = one_run(pub, clients, per_client)
-                    answers = run.pop("_answers")
-                    run["batches"] = check_answers(port, answers)
-                    run["mean_batch_size"] = round(len(answers) / run["batches"], 2)
-                    say(f"{clients} clients, run {r + 1}: {run['publishes_per_second']:.1f} publishes/s "
-                        f"({run['publishes']} in {run['seconds']:.2f} s, {run['batches']} batches, p50 {run['latency_p50_ms']} ms)")
-                    runs.append(run)
-                rows.append({
-                    "clients": clients,
-                    "publishes_per_second": median([x["publishes_per_second"] for x in runs]),
-                    "latency_p50_ms": median([x["latency_p50_ms"] for x in runs]),
-                    "latency_p99_ms": median([x["latency_p99_ms"] for x in runs]),
-                    "mean_batch_size": median([x["mean_batch_size"] for x in runs]),
-                    "runs": runs,
-                })
-    by_clients = {str(r["clients"]): r["publishes_per_second"] for r in rows}
-    at_target = by_clients.get(str(TARGET_CLIENTS))
+    series: dict[str, list[dict[str, Any]]] = {}
+    for backend in args.backends:
+        with tempfile.TemporaryDirectory(prefix="kvgraft-bench-publish-") as tmp, database(backend) as extra:
+            say(f"{backend}:")
+            series[backend] = measure(Path(tmp) / "registry", [*extra, *args.serve_arg], args)
+    rates = {b: {str(r["clients"]): r["publishes_per_second"] for r in rows} for b, rows in series.items()}
+    at_target = rates.get("duckdb", {}).get(str(TARGET_CLIENTS))
     write_result("registry_publish", {
-        "description": "POST /v1/entries per second against kvgraft serve (DuckDB) on 127.0.0.1, 1/8/32 clients, medians of runs",
+        "description": "POST /v1/entries per second against kvgraft serve on 127.0.0.1, over DuckDB and over PostgreSQL, "
+        "1/8/32 clients, medians of runs",
         "client": "Python threads, one token and one keep-alive http.client connection each, pre-signed envelopes",
         "serve_args": ["--rate-limit", "0", *args.serve_arg],
-        "publishes_per_second": by_clients,
-        "rows": rows,
-        "target": {"clients": TARGET_CLIENTS, "publishes_per_second_min": TARGET_PUBLISHES_PER_SECOND},
+        "publishes_per_second": rates,
+        "rows": series,
+        "target": {"backend": "duckdb", "clients": TARGET_CLIENTS, "publishes_per_second_min": TARGET_PUBLISHES_PER_SECOND},
         "met": None if at_target is None else at_target >= TARGET_PUBLISHES_PER_SECOND,
     })
-    plot(rows)
+    plot(series)
 
 
-def plot(rows: list[dict[str, Any]]) -> None:
-    """Publishes per second and p50 latency per client count."""
+BACKENDS = ("duckdb", "postgres")
+
+
+@contextmanager
+def database(backend: str) -> Iterator[list[str]]:
+    """The ``kvgraft serve`` arguments for ``backend``: none for DuckDB; a new database on a throwaway PostgreSQL."""
+    if backend == "duckdb":
+        yield []
+        return
+    sys.path.insert(0, str(ROOT))  # the tests' PostgreSQL helper: Debian's binaries, a free port, its own cluster
+    from tests.registry.postgres import postgres_server
+
+    with postgres_server() as server:
+        yield ["--database", server.database("bench")]
+
+
+def measure(data: Path, serve_args: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The runs for each client count against one server over ``data``: one row per count."""
+    rows = []
+    with kvgraft_server(data, serve_args) as port:
+        pub = Publisher(port, data, max(args.clients))
+        for clients in args.clients:
+            per_client = max(16, args.publishes // clients)
+            pub.envelopes(0, 1)  # imports and key set-up outside the clock
+            runs = []
+            for r in range(args.runs):
+                run = one_run(pub, clients, per_client)
+                answers = run.pop("_answers")
+                run["batches"] = check_answers(port, answers)
+                run["mean_batch_size"] = round(len(answers) / run["batches"], 2)
+                say(f"{clients} clients, run {r + 1}: {run['publishes_per_second']:.1f} publishes/s "
+                    f"({run['publishes']} in {run['seconds']:.2f} s, {run['batches']} batches, p50 {run['latency_p50_ms']} ms)")
+                runs.append(run)
+            rows.append({
+                "clients": clients,
+                "publishes_per_second": median([x["publishes_per_second"] for x in runs]),
+                "latency_p50_ms": median([x["latency_p50_ms"] for x in runs]),
+                "latency_p99_ms": median([x["latency_p99_ms"] for x in runs]),
+                "mean_batch_size": median([x["mean_batch_size"] for x in runs]),
+                "runs": runs,
+            })
+    return rows
+
+
+def plot(series: dict[str, list[dict[str, Any]]]) -> None:
+    """Publishes per second and p50 latency per client count, a line per backend."""
     with figure("registry_publish") as fig:
         if fig is None:
             return
-        xs = [r["clients"] for r in rows]
         ax = fig.add_subplot(1, 2, 1)
-        ax.plot(xs, [r["publishes_per_second"] for r in rows], marker="o", label="kvgraft serve")
+        ax2 = fig.add_subplot(1, 2, 2)
+        for backend, rows in series.items():
+            xs = [r["clients"] for r in rows]
+            ax.plot(xs, [r["publishes_per_second"] for r in rows], marker="o", label=f"kvgraft serve, {backend}")
+            ax2.plot(xs, [r["latency_p50_ms"] for r in rows], marker="o", label=f"p50, {backend}")
+            ax2.plot(xs, [r["latency_p99_ms"] for r in rows], marker="x", linestyle="--", label=f"p99, {backend}")
         ax.axhline(TARGET_PUBLISHES_PER_SECOND, linestyle="--", color="grey", label=f"target at {TARGET_CLIENTS} clients")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel("publishes per second (median)")
         ax.set_title("Publish throughput")
         ax.legend(fontsize=7)
-        ax2 = fig.add_subplot(1, 2, 2)
-        ax2.plot(xs, [r["latency_p50_ms"] for r in rows], marker="o", label="p50")
-        ax2.plot(xs, [r["latency_p99_ms"] for r in rows], marker="x", linestyle="--", label="p99")
         ax2.set_xscale("log", base=2)
         ax2.set_xlabel("concurrent clients")
         ax2.set_ylabel("publish latency (ms)")

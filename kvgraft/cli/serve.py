@@ -218,13 +218,9 @@ def _cmd_token_revoke(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_fsck(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry import fsck
 
-    if args.database is not None:
-        raise CliError(
-            "kvgraft fsck checks a DuckDB data directory; it does not read a PostgreSQL database",
-            hint="on PostgreSQL each server checks the log against its checkpoints and signed-head.json at start and when "
-            "it takes the sequencer lease; rehash blobs with 'kvgraft serve --scrub-interval SECONDS'",
-        )
-    report = fsck(args.data, quarantine=not args.no_quarantine, settings=RegistrySettings(**_blob_store(args)))
+    report = fsck(
+        args.data, quarantine=not args.no_quarantine, settings=RegistrySettings(**_blob_store(args)), database=args.database
+    )
     doc = {**report.document(), "summary": report.summary()}
     if report.ok:
         return doc
@@ -235,7 +231,8 @@ def _cmd_fsck(args: argparse.Namespace) -> dict[str, Any]:
     raise CliError(
         f"fsck found {len(report.damaged)} damaged thing(s) in {args.data}{moved}: {report.names()}",
         hint="upload a damaged blob's right bytes again (PUT /v1/blobs/sha256:<hex>, or 'kvgraft publish') to repair it; "
-        "a damaged entry, checkpoint or log means restoring registry.duckdb from a backup",
+        "a damaged entry, checkpoint or log means restoring the database (registry.duckdb, or the PostgreSQL database) "
+        "from a backup",
         result=doc,  # kvgraft --json prints the whole report with the failure
     )
 
@@ -320,8 +317,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     _data_command(ksub, "list", _cmd_key_list, help="list registered keys")
 
     check = _data_command(sub, "fsck", _cmd_fsck,
-                          help="check a stopped registry's data directory: re-hash every blob (quarantining bad ones), "
-                          "check entries, log leaves and roots; exit 1 naming what is damaged")
+                          help="check a registry's data: re-hash every blob (quarantining bad ones), check entries, log leaves "
+                          "and roots; exit 1 naming what is damaged (DuckDB: the server stopped; PostgreSQL: "
+                          "one snapshot while the servers run)")
     _add_blob_store_options(check)
     check.add_argument("--no-quarantine", action="store_true",
                        help="only report damaged blobs; leave them in place (and served)")

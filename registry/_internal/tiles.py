@@ -65,7 +65,7 @@ from kvgraft.verifier import (
 from . import queries
 from .cosignatures import CosignatureStore
 from .datadir import PUBLIC_KEY_FILE
-from .db import DB_FILE, MIGRATIONS, Database
+from .db import DB_FILE, DUCKDB, MIGRATIONS, POSTGRES, Database, redact
 from .errors import DataDirError, EntryTooLargeForTilesError, LogIntegrityError, TileNotFoundError
 from .ranges import none_match
 
@@ -224,25 +224,21 @@ _BUSY_HINT = (
 )
 
 
-def export_tiles(data: Path, out: Path) -> ExportReport:
+def export_tiles(data: Path, out: Path, *, database: str | None = None) -> ExportReport:
     """Write the log of registry data directory ``data`` to ``out`` as tlog-tiles (see the module docstring).
 
-    Raises ``DataDirError`` (``DatabaseLockedError`` while a server holds the database) when
-    ``data`` cannot be read, ``LogIntegrityError`` when ``out`` holds another log's files or a
-    newer checkpoint, or the stored log does not verify.
+    With ``database`` the metadata is read from that PostgreSQL database, in one read-only
+    snapshot while its servers keep running. Raises ``DataDirError`` (``DatabaseLockedError``
+    while a server holds the DuckDB file) when ``data`` cannot be read, ``LogIntegrityError``
+    when ``out`` holds another log's files or a newer checkpoint, or the stored log does not verify.
     """
-    from .fsck import open_read_only
+    from .fsck import read_only_snapshot
 
-    if not (data / DB_FILE).is_file():
-        raise DataDirError(f"{data} holds no registry database ({DB_FILE})", hint="pass the directory given to 'kvgraft serve --data'")
-    public_key = _registry_key(data)
-    conn = open_read_only(data, command="kvgraft tiles export", busy_hint=_BUSY_HINT)
-    try:
-        db = Database(data / DB_FILE, conn)
+    with read_only_snapshot(data, database, command="kvgraft tiles export", busy_hint=_BUSY_HINT) as conn:
+        public_key = _registry_key(data)
+        db = Database(data / DB_FILE if database is None else redact(database), conn, DUCKDB if database is None else POSTGRES)
         _check_schema(db)
         return _Exporter(db, public_key, out).run()
-    finally:
-        conn.close()
 
 
 def _check_schema(db: Database) -> None:

@@ -15,6 +15,9 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -423,3 +426,72 @@ def test_append_commit_is_synchronous_even_when_the_server_default_is_off(postgr
         assert after is not None and after[0] == "off"  # only the append transaction is changed
     finally:
         db.close()
+
+
+def _cli_json(*args: str | Path) -> tuple[int, dict[str, Any], str]:
+    """``kvgraft --json ARGS``: (exit status, the one JSON line, stderr)."""
+    done = registry_cli("--json", *args, timeout=120)
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1, (done.stdout, done.stderr)
+    return done.returncode, json.loads(lines[0]), done.stderr
+
+
+def test_fsck_and_tiles_export_read_a_postgres_registry_while_it_serves(
+    cluster: tuple[list[Server], str, str], keys: dict[str, Key], tmp_path: Path
+) -> None:
+    (sequencer, _), token, url = cluster
+    alice = keys["alice"]
+    data = sequencer.data
+    for i in range(4):
+        assert _publish(sequencer, token, artifact(f"before the checks {i}"), alice).status_code == 201
+
+    # Publishes go on while both commands read: each reads one snapshot, never a head ahead of it.
+    stop = threading.Event()
+
+    def keep_publishing() -> int:
+        n = 0
+        while not stop.is_set() and n < 40:
+            assert _publish(sequencer, token, artifact(f"during the checks {n}"), alice).status_code == 201
+            n += 1
+        return n
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        publishing = pool.submit(keep_publishing)
+        try:
+            for _ in range(2):
+                rc, report, stderr = _cli_json("fsck", "--data", data, "--database", url)
+                assert rc == 0, (report, stderr)
+                assert report["clean"] and report["log"]["tree_size"] >= 4 and report["log"]["checkpoints_checked"] >= 5
+            out = tmp_path / "tiles"
+            rc, exported, stderr = _cli_json("tiles", "export", "--data", data, "--out", out, "--database", url)
+            assert rc == 0, (exported, stderr)
+        finally:
+            stop.set()
+            publishing.result(timeout=120)
+    vkey = httpx.get(sequencer.url + "/v1/log/key", timeout=10).json()["vkey"]
+    verified = subprocess.run(
+        [sys.executable, "-m", "kvgraft.verifier.cli", "--json", "tiles", str(out), "--log-key", vkey],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert verified.returncode == 0, verified.stderr
+    assert json.loads(verified.stdout)["tree_size"] == exported["tree_size"] >= 4
+
+    # A changed envelope in the database is named, as on DuckDB.
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("UPDATE entries SET envelope = envelope || '\\x20'::bytea WHERE log_index = 2")
+    rc, report, stderr = _cli_json("fsck", "--data", data, "--database", url)
+    assert rc == 1 and not report["clean"]
+    damaged = [d["name"] for d in report["damaged"]]
+    # The entry, every checkpoint over it (roots are recomputed from the envelopes), and the saved head.
+    assert damaged[0] == "entry 2" and "checkpoint 2" not in damaged and "log" in damaged
+    assert {f"checkpoint {n}" for n in range(3, report["log"]["tree_size"] + 1)} <= set(damaged)
+    assert "entry 2" in stderr and "fsck found" in stderr, stderr
+
+
+def test_fsck_of_a_postgres_database_that_is_not_a_registry_says_so(postgres: PostgresServer, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    rc, report, stderr = _cli_json("fsck", "--data", data, "--database", postgres.database())
+    assert rc == 1, report
+    assert "is not a registry database kvgraft can check" in stderr and "kvgraft serve --data DIR --database URL" in stderr
