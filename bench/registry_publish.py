@@ -32,9 +32,6 @@ import hashlib
 import http.client
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,7 +42,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from common import QUICK, ROOT, figure, median, say, write_result
+from common import QUICK, ROOT, figure, kvgraft_serve, median, say, write_result
 
 from kvgraft.schemas import (
     DeterminismProfile,
@@ -75,16 +72,6 @@ from kvgraft.verifier import (
 
 TARGET_CLIENTS = 32
 TARGET_PUBLISHES_PER_SECOND = 300.0
-KVGRAFT = [str(ROOT / ".venv" / "bin" / "kvgraft")]
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def request(port: int, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     """One request on a fresh connection: (status, body)."""
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -98,36 +85,9 @@ def request(port: int, method: str, path: str, body: bytes | None = None, header
 
 @contextmanager
 def kvgraft_server(data: Path, extra: list[str]) -> Iterator[int]:
-    """A real ``kvgraft serve`` on 127.0.0.1 (no rate limit); stopped with SIGTERM on exit."""
-    port = free_port()
-    log = (data.parent / "serve.log").open("w")
-    proc = subprocess.Popen(
-        [*KVGRAFT, "serve", "--data", str(data), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-         "--rate-limit", "0", *extra],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"kvgraft serve exited with {proc.returncode}: see {data.parent / 'serve.log'}")
-            try:
-                if request(port, "GET", "/v1/log/checkpoint")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("kvgraft serve did not answer within 60 s")
-            time.sleep(0.2)
+    """A real ``kvgraft serve`` on 127.0.0.1 without a rate limit (the per-token limit would cap one client)."""
+    with kvgraft_serve(data, ["--rate-limit", "0", *extra]) as port:
         yield port
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def make_token(port: int, data: Path, publisher: str, public_pem: str) -> str:

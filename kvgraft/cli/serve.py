@@ -105,7 +105,7 @@ def _add_blob_store_options(p: argparse.ArgumentParser) -> None:
 def _cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry import serve
 
-    store = _blob_store(args)
+    store = {**_blob_store(args), "blob_store_moved": args.blob_store_moved}
     try:
         settings = RegistrySettings(
             **store,
@@ -296,6 +296,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     serve.add_argument("--witness-timeout", type=float, default=d.witness_timeout, metavar="SECONDS",
                        help=f"seconds one request to a witness may take (default {d.witness_timeout:g})")
     _add_blob_store_options(serve)
+    serve.add_argument("--blob-store-moved", action="store_true",
+                       help="every blob was copied to the store given now (--blob-store, or none for DATA/blobs): record it "
+                       "as the log's blob store instead of refusing to start on another one than before")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
     token = sub.add_parser("token", help="create, list and revoke publishing tokens")

@@ -40,6 +40,7 @@ from kvgraft.verifier import (
     write_atomic,
 )
 
+from .blobconfig import parse_blob_store_url
 from .db import Database
 from .errors import ConfigError, DataDirError
 
@@ -160,6 +161,47 @@ def check_registry_key(db: Database, public_key: Ed25519PublicKey) -> None:
             f"the registry key {keyid_of(public_key)} is not the key this log's checkpoints are signed with ({stored})",
             hint="restore the original registry-key.pem; a log cannot change its key",
         )
+
+
+#: The ``meta`` key naming where this log's blobs are: ``DATA_DIRECTORY_STORE`` or an ``s3://`` URL.
+BLOB_STORE_META = "blob_store"
+DATA_DIRECTORY_STORE = "data-directory"
+
+
+def blob_store_name(blob_store: str | None) -> str:
+    """How ``meta`` names the store of ``RegistrySettings.blob_store``: the data directory, or the normalised s3:// URL."""
+    return DATA_DIRECTORY_STORE if blob_store is None else parse_blob_store_url(blob_store).url
+
+
+def check_blob_store(db: Database, blob_store: str | None, *, moved: bool = False) -> None:
+    """Refuse a blob store other than the one this log's blobs are in (``meta``), which the first start records.
+
+    A server started on the wrong store would answer every blob 404 and refuse every publish
+    whose blobs are elsewhere; on a shared database, every process must use one store. With
+    ``moved`` (the operator copied the blobs there) the new store is recorded instead. An
+    endpoint is not part of the name: one bucket may be reached through several.
+    """
+    stored = db.get_meta(BLOB_STORE_META)
+    current = blob_store_name(blob_store)
+    if stored == current:
+        return
+    if stored is not None and not moved:
+        raise blob_store_mismatch(stored, current)
+    db.set_meta(BLOB_STORE_META, current)
+
+
+def blob_store_mismatch(stored: str, current: str) -> DataDirError:
+    """The refusal of store ``current`` for a log whose blobs are in ``stored`` (both as ``blob_store_name`` gives)."""
+    flag = "no --blob-store" if stored == DATA_DIRECTORY_STORE else f"--blob-store {stored[:200]}"
+    return DataDirError(
+        f"this log's blobs are in {_store_words(stored[:200])}, but this command was given {_store_words(current)}",
+        hint=f"pass {flag}; if every blob was copied to the new store, start 'kvgraft serve' once with "
+        "--blob-store-moved to record it (then 'kvgraft fsck' checks that each entry's blobs are there)",
+    )
+
+
+def _store_words(name: str) -> str:
+    return "the data directory's blobs/" if name == DATA_DIRECTORY_STORE else name
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,17 @@ from kvgraft.verifier import (
 )
 
 from .blobs import BlobStore, open_blob_store
-from .datadir import KEY_FILE, PUBLIC_KEY_FILE, SIGNED_HEAD_FILE, DataDir, SignedHead, read_signed_head
+from .datadir import (
+    BLOB_STORE_META,
+    KEY_FILE,
+    PUBLIC_KEY_FILE,
+    SIGNED_HEAD_FILE,
+    DataDir,
+    SignedHead,
+    blob_store_mismatch,
+    blob_store_name,
+    read_signed_head,
+)
 from .db import DB_FILE, Connection, PostgresConnection, is_postgres_url, redact
 from .errors import DatabaseLockedError, DataDirError, RegistryError
 from .log import hash_leaf
@@ -163,6 +173,11 @@ def fsck(
     except DataDirError as e:
         saved = e
     with read_only_snapshot(root, database) as conn:
+        # The store the log's blobs are in, as the server recorded it: another would be all "missing".
+        stored = conn.execute("SELECT value FROM meta WHERE key = ?", [BLOB_STORE_META]).fetchone()
+        current = blob_store_name((settings or RegistrySettings()).blob_store)
+        if stored is not None and str(stored[0]) != current:
+            raise blob_store_mismatch(str(stored[0]), current)
         with open_blob_store(root / "blobs", settings or RegistrySettings()) as store:
             report.previously_quarantined = store.quarantine_names()
             scrubbed = store.scrub(quarantine=quarantine)

@@ -56,6 +56,7 @@ from .datadir import (
     SIGNED_HEAD_FILE,
     DataDir,
     SignedHead,
+    check_blob_store,
     check_registry_key,
     ensure_registry_key,
     prepare,
@@ -269,6 +270,8 @@ class Registry:
                 # process started on a live data directory fails above, before it can delete the
                 # running server's uploads in progress.
                 blobs.prepare()
+                # Once the store answered (one that cannot be used is never recorded as the log's).
+                check_blob_store(db, settings.blob_store, moved=settings.blob_store_moved)
                 log = TransparencyLog(origin, key, _load_leaves(db))
                 # The database must agree with itself, then with the head saved outside it, before
                 # anything is signed (an empty database gets checkpoint 0 signed here).

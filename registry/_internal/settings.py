@@ -109,6 +109,9 @@ class RegistrySettings:
     #: Where blobs live: None for the data directory's ``blobs/`` (the default), or an
     #: S3-compatible object store, ``s3://BUCKET[/PREFIX]`` (blobconfig.py, s3blobs.py).
     blob_store: str | None = None
+    #: The operator copied every blob to ``blob_store`` (or, with None, into the data directory):
+    #: record it as the log's blob store instead of refusing a start on another one (datadir.py).
+    blob_store_moved: bool = False
     #: How to reach that object store (endpoint, credentials, part size, timeouts, retries).
     s3: S3Settings = S3Settings()
     #: The metadata database: None for DuckDB's ``DATA/registry.duckdb`` (the default), or a
@@ -157,6 +160,8 @@ class RegistrySettings:
             raise ValueError("RegistrySettings.default_page_limit must not exceed max_page_limit")
         if self.blob_store is not None:
             parse_blob_store_url(self.blob_store)
+        if not isinstance(self.blob_store_moved, bool):
+            raise ValueError(f"RegistrySettings.blob_store_moved must be a bool, got {self.blob_store_moved!r}")
         if self.database is not None and not (isinstance(self.database, str) and self.database.startswith(POSTGRES_SCHEMES)):
             raise ValueError("RegistrySettings.database must be a postgresql:// URL or None (the DuckDB file)")
         if not isinstance(self.s3, S3Settings):

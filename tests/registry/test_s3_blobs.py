@@ -289,3 +289,33 @@ def test_credentials_and_endpoint_from_the_aws_environment_and_uploads_of_others
     assert s3.stored(_hex(SMALL)) == SMALL
     assert s3.uploads() == [s3.key("0" * 64)]
     client.abort_multipart_upload(Bucket=BUCKET, Key=s3.key("0" * 64), UploadId=other["UploadId"])
+
+
+def test_a_server_started_on_another_blob_store_than_the_logs_served_every_blob_404(
+    tmp_path: Path, s3: S3Store, keys: dict[str, Key]
+) -> None:
+    """Started without --blob-store on a data directory whose blobs are on S3 (or the reverse), a
+    server used to start and answer every stored blob 404. The first start records the store in
+    the database; another is refused in one line naming both, until --blob-store-moved."""
+    data = tmp_path / "data"
+    art = artifact("on s3")
+    with running_server(data, "--rate-limit", "0", *s3.flags()) as server:
+        token, _ = make_token(server, "alice", keys["alice"])
+        auth = {"Authorization": f"Bearer {token}"}
+        assert httpx.put(f"{server.url}/v1/blobs/{art.digest}", content=art.tensors, headers=auth, timeout=30).status_code == 201
+    base = ["serve", "--data", data, "--port", str(free_port())]
+    local = registry_cli(*base)
+    assert local.returncode == 1 and "Traceback" not in local.stderr
+    assert f"this log's blobs are in {s3.url}, but this command was given the data directory's blobs/" in local.stderr
+    assert f"pass --blob-store {s3.url}" in local.stderr and "--blob-store-moved" in local.stderr
+    fsck = registry_cli("fsck", "--data", data)
+    assert fsck.returncode == 1 and f"this log's blobs are in {s3.url}" in fsck.stderr and "Traceback" not in fsck.stderr
+    # The operator copied the blob into the data directory: recorded once, then the usual start.
+    (data / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
+    (data / "blobs" / "sha256" / art.digest.removeprefix("sha256:")).write_bytes(art.tensors)
+    for extra in (["--blob-store-moved"], []):
+        with running_server(data, "--rate-limit", "0", *extra) as server:
+            assert httpx.get(f"{server.url}/v1/blobs/{art.digest}", timeout=30).content == art.tensors
+    back = registry_cli(*base, *s3.flags())
+    assert back.returncode == 1 and f"this log's blobs are in the data directory's blobs/, but this command was given {s3.url}" in back.stderr
+    assert "pass no --blob-store" in back.stderr
