@@ -44,7 +44,7 @@ PORT ?= 8000
 serve: $(STAMP)
 	$(BIN)/kvgraft serve --data demo-out/registry --host 127.0.0.1 --port $(PORT)
 
-# The heavy reliability run (docs/reliability.md): more hypothesis examples, 20 kill -9 crash
+# The heavy reliability run (docs/reliability.md): more hypothesis examples, 50 kill -9 crash
 # rounds, 60 s of load with 32 clients; prints the figures, writes reliability-results.json.
 reliability: $(STAMP)
 	$(BIN)/python scripts/reliability.py

@@ -268,10 +268,39 @@ def harness(data: Path, keys: dict[str, Key], **settings: Any) -> Iterator[Harne
         yield h
 
 
+# --- the metadata database: DuckDB (the default) or a real PostgreSQL server ------------------
+
+#: The backends the registry suites run against (``backend``); a module pins one by defining its own fixture.
+BACKENDS = ("duckdb", "postgres")
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Any]:
+    """One real PostgreSQL server for the session (tests/registry/postgres.py); each test makes its own database."""
+    from tests.registry.postgres import postgres_server
+
+    with postgres_server() as server:
+        yield server
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Which metadata database a registry fixture uses."""
+    return str(request.param)
+
+
 @pytest.fixture
-def reg(tmp_path: Path, keys: dict[str, Key]) -> Iterator[Harness]:
-    """An in-process registry with tokens for alice (alice's key) and bob (bob's key)."""
-    with harness(tmp_path / "data", keys) as h:
+def database(backend: str, request: pytest.FixtureRequest) -> str | None:
+    """``RegistrySettings.database`` for ``backend``: None (DuckDB in the data dir) or a fresh PostgreSQL database's URL."""
+    if backend == "duckdb":
+        return None
+    return str(request.getfixturevalue("postgres").database())
+
+
+@pytest.fixture
+def reg(tmp_path: Path, keys: dict[str, Key], database: str | None) -> Iterator[Harness]:
+    """An in-process registry with tokens for alice (alice's key) and bob (bob's key), on each backend."""
+    with harness(tmp_path / "data", keys, database=database) as h:
         yield h
 
 
