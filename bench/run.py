@@ -27,7 +27,7 @@ from common import RESULTS, ROOT, say
 THREADED = ("restore_floor", "invariant_profile", "ttft")
 #: In the order they run: the quick ones first, the store last (it grows the library longest).
 SUITE = ("verifier_throughput", "restore_floor", "registry_throughput", "registry_reads", "registry_publish", "invariant_profile", "ttft",
-         "store_scaling")
+         "store_scaling", "engine_serve")
 
 
 def _load(name: str) -> dict[str, Any] | None:
@@ -84,6 +84,14 @@ def table() -> list[str]:
                 " / ".join(f"{rates[c]:.0f}" for c in counts),
                 f">= {target['publishes_per_second_min']:.0f}/s at {target['clients']} clients"
                 if backend == target["backend"] else "(measured)")
+    r = _load("engine_serve")
+    if r:
+        t = r["target"]
+        for m in r["models"]:
+            s = m["one_client"]
+            target = (f"<= {t['recall_p50_s_max']:g} s; >= {t['base_over_recall_min']:g}x" if m["model"] == t["model"] else "(measured)")
+            add("engine_serve", f"recall p50, 1 client, {m['model']}; base / recall p50",
+                f"{s['recall_p50_s']:.3f} s; {s['base_over_recall_p50']:.1f}x (llama.cpp base / recall {s['llama_over_recall_p50']:.1f}x)", target)
     r = _load("verifier_throughput")
     if r:
         add("verifier_throughput", "verifier hashing / sha256sum", f"{r['hashing']['ratio_verifier_over_sha256sum']:.2f}x", ">= 0.8x")
