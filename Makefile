@@ -50,7 +50,7 @@ PORT ?= 8000
 serve: $(STAMP)
 	$(BIN)/kvgraft serve --data demo-out/registry --host 127.0.0.1 --port $(PORT)
 
-# The heavy reliability run (docs/reliability.md): more hypothesis examples, 20 kill -9 crash
+# The heavy reliability run (docs/reliability.md): more hypothesis examples, 50 kill -9 crash
 # rounds, 60 s of load with 32 clients; prints the figures, writes reliability-results.json.
 reliability: $(MODELS_STAMP)
 	$(BIN)/python scripts/reliability.py
@@ -58,7 +58,7 @@ reliability: $(MODELS_STAMP)
 # The benchmark suite (docs/benchmarks.md): bench/results/*.json and *.png, then the ratio table.
 # Its own set-up, never part of `make test`: nginx, curl and the build tools (Debian packages) when
 # missing, matplotlib for the plots, and llama-cpp-python 0.3.36 from PyPI's sdist with only its
-# `llama` library compiled (bench/setup_llama_cpp.sh: minutes on 2 cores, then cached per machine).
+# `llama` library compiled, and its server's dependencies (bench/setup_llama_cpp.sh: minutes on 2 cores, then cached per machine).
 BENCH_STAMP := $(VENV)/.kvgraft-bench-installed
 $(BENCH_STAMP): $(MODELS_STAMP) bench/setup_llama_cpp.sh
 	command -v nginx >/dev/null || { apt-get update && apt-get install -y nginx; }
@@ -67,6 +67,8 @@ $(BENCH_STAMP): $(MODELS_STAMP) bench/setup_llama_cpp.sh
 		apt-get install -y cmake ninja-build build-essential
 	$(BIN)/python -m pip install --quiet matplotlib==3.11.2
 	bash bench/setup_llama_cpp.sh $(BIN)/python
+	# llama-cpp-python's server extra (bench/engine_serve.py runs `python -m llama_cpp.server`).
+	$(BIN)/python -m pip install --quiet fastapi==0.165.0 sse-starlette==3.7.0 starlette-context==0.5.1 pydantic-settings==2.16.3
 	touch $@
 
 # BENCH_ARGS: options for bench/run.py, e.g. BENCH_ARGS="--threads 1" on a machine others load.

@@ -174,3 +174,65 @@ def corpus_text(n_chars: int) -> str:
             if total >= n_chars:
                 break
     return "".join(parts)
+
+
+# --- a real kvgraft serve on 127.0.0.1 (the registry benchmarks) ---------------------------------
+
+#: The project's own ``kvgraft`` command, in the venv ``make bench`` set up.
+KVGRAFT = [str(ROOT / ".venv" / "bin" / "kvgraft")]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(port: int, path: str, seconds: float = 60.0, *, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Wait until ``GET path`` answers on 127.0.0.1:port (stop early, naming it, if ``proc`` exits)."""
+    import http.client
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode} before answering on 127.0.0.1:{port}")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            c.request("GET", path)
+            c.getresponse().read()
+            c.close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise SystemExit(f"nothing answered on 127.0.0.1:{port}{path} within {seconds:.0f} s")
+
+
+@contextlib.contextmanager
+def kvgraft_serve(data: Path, extra: list[str]) -> Iterator[int]:
+    """``kvgraft serve --data DATA EXTRA`` on 127.0.0.1 at a free port (its log in ``DATA/../serve.log``),
+    answering before this yields the port; stopped with SIGTERM (then SIGKILL after 30 s) on exit."""
+    import signal
+
+    port = free_port()
+    log_path = data.parent / "serve.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [*KVGRAFT, "serve", "--data", str(data), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *extra],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        try:
+            try:
+                wait_http(port, "/v1/log/checkpoint", proc=proc)
+            except SystemExit as e:
+                raise SystemExit(f"kvgraft serve: {e} (see {log_path})") from e
+            yield port
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -37,34 +36,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from common import QUICK, figure, median, percentile, say, write_result
+from common import KVGRAFT, QUICK, figure, free_port, kvgraft_serve, median, percentile, say, wait_http, write_result
 
 TARGET_DOWNLOAD_RATIO = 0.5
-KVGRAFT = [str(Path(__file__).resolve().parent.parent / ".venv" / "bin" / "kvgraft")]
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_http(port: int, path: str, seconds: float = 60.0) -> None:
-    """Wait until ``GET path`` answers on 127.0.0.1:port."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            c.request("GET", path)
-            c.getresponse().read()
-            c.close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit(f"nothing answered on 127.0.0.1:{port}{path} within {seconds:.0f} s")
-
-
 @contextmanager
 def kvgraft_server(data: Path) -> Iterator[tuple[int, str]]:
     """A real ``kvgraft serve`` on 127.0.0.1 and a publish token; stopped with SIGTERM on exit."""
@@ -73,21 +47,8 @@ def kvgraft_server(data: Path) -> Iterator[tuple[int, str]]:
     out = subprocess.run([*KVGRAFT, "--json", "token", "create", "--data", str(data), "--publisher", "bench", "--key", f"{key}.pub"],
                          check=True, capture_output=True, text=True)
     token = json.loads(out.stdout)["token"]
-    port = free_port()
-    log = (data.parent / "serve.log").open("w")
-    proc = subprocess.Popen([*KVGRAFT, "serve", "--data", str(data), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_http(port, "/v1/log/checkpoint")
+    with kvgraft_serve(data, []) as port:
         yield port, token
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 NGINX_CONF = """

@@ -26,7 +26,8 @@ from common import RESULTS, ROOT, say
 #: The scripts that take ``--threads`` (the model benchmarks).
 THREADED = ("restore_floor", "invariant_profile", "ttft")
 #: In the order they run: the quick ones first, the store last (it grows the library longest).
-SUITE = ("verifier_throughput", "restore_floor", "registry_throughput", "invariant_profile", "ttft", "store_scaling")
+SUITE = ("verifier_throughput", "restore_floor", "registry_throughput", "registry_reads", "registry_publish", "invariant_profile", "ttft",
+         "store_scaling", "engine_serve")
 
 
 def _load(name: str) -> dict[str, Any] | None:
@@ -66,6 +67,31 @@ def table() -> list[str]:
         for row in r["transfers"]:
             add("registry_throughput", f"upload kvgraft / hashlib sha256, {row['bytes'] / 2**20:.0f} MiB",
                 f"{row['upload_over_hashlib']:.2f}x", "limited by hashing")
+    r = _load("registry_reads")
+    if r:
+        m = r["median"]
+        add("registry_reads", "4 KiB read p50 / p99, 1 client (nginx)",
+            f"{m['kvgraft_4k_p50_ms']:.2f} / {m['kvgraft_4k_p99_ms']:.2f} ms ({m['nginx_4k_p50_ms']:.2f} / {m['nginx_4k_p99_ms']:.2f})",
+            f"p50 <= {r['target']['p50_ms_max']:g} ms")
+        add("registry_reads", "download kvgraft / nginx, 1 MiB", f"{r['download_ratio_kvgraft_over_nginx_1m']:.2f}x",
+            f">= {r['target']['download_ratio_min']:g}x")
+    r = _load("registry_publish")
+    if r:
+        for backend, rates in r["publishes_per_second"].items():
+            counts = sorted(rates, key=int)
+            target = r["target"]
+            add("registry_publish", f"publishes per second, {backend}, {' / '.join(counts)} clients",
+                " / ".join(f"{rates[c]:.0f}" for c in counts),
+                f">= {target['publishes_per_second_min']:.0f}/s at {target['clients']} clients"
+                if backend == target["backend"] else "(measured)")
+    r = _load("engine_serve")
+    if r:
+        t = r["target"]
+        for m in r["models"]:
+            s = m["one_client"]
+            target = (f"<= {t['recall_p50_s_max']:g} s; >= {t['base_over_recall_min']:g}x" if m["model"] == t["model"] else "(measured)")
+            add("engine_serve", f"recall p50, 1 client, {m['model']}; base / recall p50",
+                f"{s['recall_p50_s']:.3f} s; {s['base_over_recall_p50']:.1f}x (llama.cpp base / recall {s['llama_over_recall_p50']:.1f}x)", target)
     r = _load("verifier_throughput")
     if r:
         add("verifier_throughput", "verifier hashing / sha256sum", f"{r['hashing']['ratio_verifier_over_sha256sum']:.2f}x", ">= 0.8x")

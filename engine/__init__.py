@@ -1,6 +1,8 @@
 """The engine: models, determinism profiles, KV capture and graft (extra ``engine``).
 
 Imports ``kvgraft.schemas`` and ``kvgraft.verifier`` (to sign and check); never the registry.
+``serve_engine`` runs the OpenAI-compatible server (``kvgraft engine serve``, docs/engine-serve.md),
+which also needs litestar and uvicorn: they are imported only when it starts.
 """
 
 # The artifact contract (file names, the home directory, the binding hashes) lives in
@@ -19,7 +21,10 @@ from ._internal.artifacts import (
 from ._internal.errors import (
     ArtifactError,
     ArtifactSignatureError,
+    ContextWindowError,
     EngineError,
+    EngineServerConfigError,
+    EngineServerError,
     EvaluationError,
     InputTextError,
     KvFileError,
@@ -38,7 +43,7 @@ from ._internal.exactness import run_exactness, summary_table
 from ._internal.kernel_errors import KernelError, ScheduleError
 from ._internal.kvfile import deserialize, read_kv_file, serialize
 from ._internal.kvstate import KVState, Segment
-from ._internal.library import Answer, Hit, Library, clean_solution, read_meta
+from ._internal.library import NOTHING_GRAFTED, Answer, Hit, Library, ask_model, clean_solution, lookup_all, read_meta
 from ._internal.models import (
     MODELS,
     LoadedModel,
@@ -57,6 +62,7 @@ from ._internal.models import (
 from ._internal.ops import Continuation, capture, fresh, generate, graft, read_text
 from ._internal.profiles import DEFAULT_PROFILE, PROFILE_ALIASES, PROFILES, applied, current_profile, require_same
 from ._internal.schedules import prefill, single_pass
+from ._internal.serve import ServeConfig, ServeSettings, create_engine_app, serve_engine
 from ._internal.trust import (
     SKIP_WARNING,
     SKIPPED,
@@ -82,4 +88,6 @@ __all__ = [
     "locate_gguf", "logits_digest", "read_kv_file", "read_text", "require_same", "serialize", "spec_for", "token_digest",
     "EvalRun", "clean_solution", "read_meta", "run_eval", "run_exactness", "run_replay", "select", "summary_table",
     "write_pre_registration", "Wheel", "install", "install_hint",
+    "ContextWindowError", "EngineServerConfigError", "EngineServerError", "NOTHING_GRAFTED", "ServeConfig", "ServeSettings",
+    "ask_model", "create_engine_app", "lookup_all", "serve_engine",
 ]

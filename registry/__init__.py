@@ -1,8 +1,9 @@
 """The registry service: Litestar + DuckDB, blob store, transparency log (extra ``registry``).
 
 ``create_app(data_dir, settings)`` builds the Litestar app (``kvgraft serve`` runs it under
-uvicorn); ``RegistrySettings`` holds its limits. Every failure is a ``RegistryError`` whose
-class fixes the HTTP status and the RFC 9457 problem type. The HTTP API is documented in
+uvicorn); ``RegistrySettings`` holds its limits and where blobs live (the data directory, or an
+S3-compatible object store that ``S3Settings`` says how to reach). Every failure is a
+``RegistryError`` whose class fixes the HTTP status and the RFC 9457 problem type. The HTTP API is documented in
 docs/registry.md.
 
 ``serve`` (uvicorn over a data directory), ``admin_session`` (tokens and keys, through a running
@@ -21,6 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._internal.blobconfig import S3Settings
 from ._internal.errors import (
     AuthenticationError,
     BadDigestError,
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AuthenticationError", "BadDigestError", "BadRequestError", "BlobDigestMismatchError", "InvalidSignatureError",
     "InvalidStatementError", "KeyNotBoundError", "MissingBlobsError", "NotFoundError", "PayloadTooLargeError",
-    "RangeNotSatisfiableError", "RegistryError", "RegistrySettings", "TokenRevokedError", "create_app",
+    "RangeNotSatisfiableError", "RegistryError", "RegistrySettings", "S3Settings", "TokenRevokedError", "create_app",
     "admin_session", "fsck", "serve",
     "DEFAULT_WITNESS_MAX_BODY_BYTES", "WitnessSettings", "create_witness_app", "parse_witness_option", "serve_witness",
     "ExportReport", "export_tiles",

@@ -3,7 +3,8 @@ on-disk layout of artifacts and records (file names, the home directory and its 
 ``chain_key``/``token_digest``, unverified statement reading, the staged-directory writer).
 
 The registry's wire format (the typed JSON bodies of its HTTP API, shared by the service, the UI
-and the client) lives here too.
+and the client) lives here too, and so does the engine server's (the OpenAI-compatible subset
+``kvgraft engine serve`` speaks, shared with ``kvgraft ask --engine``).
 
 Nothing here imports torch, the engine or the registry: the standalone verifier depends on it.
 Regenerate the JSON Schema files with ``python -m kvgraft.schemas``.
@@ -33,6 +34,37 @@ from ._internal.documents import (
     write_json_schemas,
 )
 from ._internal.dsse import IN_TOTO_PAYLOAD_TYPE, Envelope, Signature
+from ._internal.engine_wire import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TEXT_CHARS,
+    MAX_TOKENS_LIMIT,
+    AnswerMethod,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatMessage,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    EngineRequest,
+    EngineWire,
+    ErrorBody,
+    ErrorDetail,
+    FinishReason,
+    ModelCard,
+    ModelList,
+    Provenance,
+    StreamOptions,
+    TextPart,
+    Usage,
+)
 from ._internal.errors import (
     CanonicalizationError,
     DirectoryExistsError,
@@ -147,6 +179,11 @@ __all__ = [
     "InclusionProof", "Lineage", "ListedItem", "Listing", "LogKey", "MissingParent", "ModelBlock", "OtherEntry",
     "PostedEnvelope", "PostedSignature", "Problem", "Publisher", "PublisherKey", "PublisherList", "SubjectRef",
     "Wire", "dump_wire",
+    # the engine server's wire format (schemas/_internal/engine_wire.py)
+    "MAX_CONTENT_PARTS", "MAX_MESSAGES", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_TEXT_CHARS", "MAX_TOKENS_LIMIT",
+    "AssistantMessage", "ChatChoice", "ChatChunkChoice", "ChatCompletion", "ChatCompletionChunk", "ChatCompletionRequest",
+    "ChatDelta", "ChatMessage", "Completion", "CompletionChoice", "CompletionRequest", "EngineRequest", "EngineWire",
+    "ErrorBody", "ErrorDetail", "AnswerMethod", "FinishReason", "ModelCard", "ModelList", "Provenance", "StreamOptions", "TextPart", "Usage",
     "CHECKPOINT_FILE", "EXPECTED_OUTPUTS_FILE", "KV_FILE", "LIBRARY_ENTRIES_DIR", "LIBRARY_FILE", "LIBRARY_INDEX_FILE",
     "LIBRARY_PREFIX_DIR", "LOG_PROOF_FILE", "LOGITS_DIR", "MODEL_SIG_FILE", "OUTPUTS_FILE", "RECORD_FILE", "REGISTRY_KEY_FILE", "REPORT_DATASETS_DIR", "REPORT_FOLDERS", "STATEMENT_FILE", "SUMMARY_FILE",
     "TRUSTED_KEYS_FILE", "DirectoryExistsError", "StagedDirectory", "artifact_candidates", "chain_key",

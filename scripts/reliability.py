@@ -1,6 +1,6 @@
 """``make reliability``: the heavy reliability run, then its figures.
 
-Runs tests/reliability with KVGRAFT_RELIABILITY=heavy (more hypothesis examples, 20 kill -9
+Runs tests/reliability with KVGRAFT_RELIABILITY=heavy (more hypothesis examples, 50 kill -9
 crash rounds, 60 s of load with 32 clients), collects the figures the tests recorded, prints
 them and writes them to reliability-results.json (gitignored). Exits with pytest's status.
 """
@@ -69,17 +69,21 @@ def _report(figures: dict[str, Any], outcomes: dict[str, dict[str, int]], second
     t = figures.get("tamper", {})
     lines.append(f"tamper matrix: {t.get('refused', 0)} refused of {t.get('tried', 0)} tried "
                  f"(pull {t.get('pull_refused', 0)}, kvgraft graft {t.get('graft_refused', 0)}, kvgraft-verify {t.get('verify_refused', 0)})")
-    c = figures.get("crash", {})
-    lines.append(f"crash safety: {c.get('rounds', 0)} kill -9 rounds survived, {c.get('writes_started', 0)} concurrent writes started, "
-                 f"{c.get('acked_blobs', 0)} blob and {c.get('acked_entries', 0)} entry writes acknowledged, {c.get('lost', '?')} lost, "
-                 f"{c.get('partial_blobs_visible', '?')} partial blobs visible, {c.get('consistency_proofs_verified', 0)} consistency proofs verified "
-                 f"(log size {c.get('tree_size', '?')})")
-    ld = figures.get("load", {})
-    lines.append(f"load: {ld.get('clients', '?')} clients for {ld.get('seconds', '?')} s: {ld.get('requests', 0)} requests, "
-                 f"{ld.get('errors', '?')} errors, {ld.get('publishes', 0)} entries published, {ld.get('lost_entries', '?')} lost; "
-                 f"{ld.get('throughput_rps', '?')} req/s, {ld.get('publishes_per_s', '?')} publishes/s; "
-                 f"latency p50 {ld.get('p50_ms', '?')} ms, p99 {ld.get('p99_ms', '?')} ms (publish p50 {ld.get('publish_p50_ms', '?')} ms, "
-                 f"p99 {ld.get('publish_p99_ms', '?')} ms)")
+    # The crash and load suites run on each metadata backend: DuckDB ("crash", "load") and PostgreSQL.
+    for suffix, backend in (("", ""), ("-postgres", " (PostgreSQL)")):
+        c = figures.get("crash" + suffix)
+        if c is not None:
+            lines.append(f"crash safety{backend}: {c.get('rounds', 0)} kill -9 rounds survived, {c.get('writes_started', 0)} concurrent writes started, "
+                         f"{c.get('acked_blobs', 0)} blob and {c.get('acked_entries', 0)} entry writes acknowledged, {c.get('lost', '?')} lost, "
+                         f"{c.get('partial_blobs_visible', '?')} partial blobs visible, {c.get('consistency_proofs_verified', 0)} consistency proofs verified "
+                         f"(log size {c.get('tree_size', '?')})")
+        ld = figures.get("load" + suffix)
+        if ld is not None:
+            lines.append(f"load{backend}: {ld.get('clients', '?')} clients for {ld.get('seconds', '?')} s: {ld.get('requests', 0)} requests, "
+                         f"{ld.get('errors', '?')} errors, {ld.get('publishes', 0)} entries published, {ld.get('lost_entries', '?')} lost; "
+                         f"{ld.get('throughput_rps', '?')} req/s, {ld.get('publishes_per_s', '?')} publishes/s; "
+                         f"latency p50 {ld.get('p50_ms', '?')} ms, p99 {ld.get('p99_ms', '?')} ms (publish p50 {ld.get('publish_p50_ms', '?')} ms, "
+                         f"p99 {ld.get('publish_p99_ms', '?')} ms)")
     a = figures.get("access", {})
     lines.append(f"access: key-scoped tokens refused {a.get('scoped_tokens_refused', 0)}/accepted {a.get('scoped_tokens_accepted', 0)}; "
                  f"revocation on the next request: {a.get('revoked_refused_on_next_request', False)}; rate limit {a.get('rate_limit', '?')} -> "

@@ -10,6 +10,10 @@
 #                 test: tests/registry/test_tiles.py builds tests/registry/tlogtiles (Go's sumdb/tlog
 #                 and sumdb/note, from /usr/share/gocode, no module download) to read the registry's
 #                 tlog-tiles independently
+#   postgresql    test: tests/registry/test_postgres.py, and the registry, crash and load suites on
+#                 their PostgreSQL backend, start a real server (initdb, pg_ctl and postgres from
+#                 /usr/lib/postgresql/<version>/bin) on a data directory of their own and a free
+#                 loopback port, as the package's postgres user when run as root (tests/registry/postgres.py)
 #   python3-venv  test and demo: `python3 -m venv` (the Makefile's .venv, and the verifier-only
 #                 venv that tests/verifier/test_standalone_install.py builds) needs ensurepip
 #
@@ -26,6 +30,7 @@ if [ "$FOR" = test ]; then
   command -v curl >/dev/null 2>&1 || missing+=(curl)
   command -v go >/dev/null 2>&1 || missing+=(golang-go)
   [ -d /usr/share/gocode/src/golang.org/x/mod/sumdb/tlog ] || missing+=(golang-golang-x-mod-dev)
+  compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql)
 fi
 # Only Debian's own interpreter is mended by python3-venv; another one (pyenv, a missing one) is left be.
 py="$(command -v "$PYTHON" 2>/dev/null || true)"

@@ -31,7 +31,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,9 +51,9 @@ from kvgraft.schemas import (
 from kvgraft.verifier import Dataset, TrustedKeys, extract_answer, grade, write_atomic
 
 from .artifacts import LoadedArtifact, load_artifact
-from .errors import LibraryError, NoTrustedKeysError
+from .errors import ContextWindowError, InputTextError, LibraryError, NoTrustedKeysError
 from .models import LoadedModel
-from .ops import capture, continue_from
+from .ops import Decoded, capture, continue_from
 from .trust import trust_signer
 
 FORMAT = "kvgraft-library/v1"
@@ -266,6 +266,8 @@ class Answer:
     energy_method: str
     #: How the grafted artifacts' signatures were checked: ``verified: <signers>`` or ``skipped (...)``.
     signature: str = ""
+    #: Why decoding ended (``ops.StopReason``: eos, stop, window, max_new_tokens); not in ``to_json``.
+    stopped_by: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` object (the prompt text is left out; its length is ``context_tokens``)."""
@@ -299,6 +301,72 @@ def _require_trust(directory: Path, trusted: TrustedKeys | None, insecure_skip_v
 
 def _parameters(model: LoadedModel) -> int:
     return sum(p.numel() for p in model.module.parameters())
+
+
+def _decode(model: LoadedModel, profile: DeterminismProfile, artifact: LoadedArtifact | None, ids: list[int], *,
+            budget: int, own: Callable[[str], bool] | None, extra: Callable[[str], bool] | None, head: str) -> Decoded:
+    """``continue_from`` (the engine's one decode loop) with the answer's stop rule: the
+    library's ``own`` rule on the decoded text, OR-ed with the caller's ``extra`` on the answer's
+    text (``head`` + decoded). A question that does not fit the model's window after what is
+    grafted is refused before anything runs (``ContextWindowError``)."""
+    start = 0 if artifact is None else artifact.statement.predicate.positions.end
+    window = model.spec.window
+    if start + len(ids) > window:
+        raise ContextWindowError(
+            f"the question is {len(ids)} tokens; after the {start} grafted before it that is more than "
+            f"{model.spec.name}'s window of {window}",
+            hint=f"ask a question shorter than {max(window - start, 0)} tokens",
+        )
+
+    def stop(decoded: str) -> bool:
+        return (own is not None and own(decoded)) or (extra is not None and extra(head + decoded))
+
+    # EOS ends the answer and is not part of it (nor counted in decode_tokens).
+    return continue_from(model, profile, artifact, ids, max_new_tokens=budget, keep_eos=False,
+                         stop=stop if own is not None or extra is not None else None)
+
+
+#: ``Answer.signature`` of an answer from the model alone: no artifact was grafted, none was checked.
+NOTHING_GRAFTED = "none (nothing grafted)"
+
+
+def ask_model(model: LoadedModel, profile: DeterminismProfile, question: str, *, max_new_tokens: int = 256,
+              stop: Callable[[str], bool] | None = None) -> Answer:
+    """The model's own greedy answer to ``question``, with no library: the question's tokens
+    (after BOS) on an empty state, decoded until EOS, ``max_new_tokens`` or ``stop`` (called
+    after every token with the text so far). Method ``none``, no entry, no extracted answer
+    (there is no dataset kind to read one by), signature ``NOTHING_GRAFTED``."""
+    t0 = time.perf_counter()
+    energy = EnergyMeter(_parameters(model))
+    energy.start()
+    ids = model.tokenizer.encode(question, first=True)
+    if not ids:
+        raise InputTextError("the question tokenizes to no tokens", hint="ask a question with some text")
+    decoded = _decode(model, profile, None, ids, budget=max_new_tokens, own=None, extra=stop, head="")
+    joules, method = energy.stop(len(ids) + len(decoded.tokens))
+    return Answer(
+        question=question, answer=None, text=decoded.text, prompt=question, entry=None, method="none", score=0.0,
+        prompt_tokens=len(ids), decode_tokens=len(decoded.tokens), context_tokens=len(ids),
+        seconds=time.perf_counter() - t0, energy_joules=joules, energy_method=method, signature=NOTHING_GRAFTED,
+        stopped_by=decoded.stopped_by,
+    )
+
+
+def lookup_all(libraries: Sequence[Library], question: str) -> tuple[Library, Hit] | None:
+    """The entry for ``question`` across ``libraries`` (each for the same model): an exact hit
+    in any of them wins (the first library's, in the order given); else the most similar entry
+    across all of them, by ``Hit.score`` (each library's TF-IDF cosine, 0..1, so scores compare;
+    the earlier library on a tie); None when no library holds an entry sharing a word."""
+    best: tuple[Library, Hit] | None = None
+    for library in libraries:
+        hit = library.lookup(question)
+        if hit is None:
+            continue
+        if hit.method == "exact":
+            return library, hit
+        if best is None or hit.score > best[1].score:
+            best = library, hit
+    return best
 
 
 class Library:
@@ -484,39 +552,50 @@ class Library:
                                hint="the index was altered; re-deposit the problem into a new library")
         return art
 
-    def ask(self, question: str, *, max_new_tokens: int = 256, use_similar: bool = True) -> Answer:
+    def ask(self, question: str, *, max_new_tokens: int = 256, use_similar: bool = True,
+            stop: Callable[[str], bool] | None = None) -> Answer:
         """Answer ``question`` from the library: recall for a deposited problem, a grafted worked
-        example for a new one, or (no entry) the instruction prefix alone."""
-        t0 = time.perf_counter()
-        self._energy.start()
+        example for a new one, or (no entry) the instruction prefix alone.
+
+        ``stop``: called after every decoded token with the answer's text so far (what
+        ``Answer.text`` would be: a recall's opening ``\\boxed{`` included); true ends decoding,
+        as the library's own rule does (the two are OR-ed). The engine server streams, honours
+        stop strings, times out and cancels with it.
+        """
         hit = self.lookup(question)
         if hit is not None and hit.method == "similar" and not use_similar:
             hit = None
+        return self.answer(question, hit, max_new_tokens=max_new_tokens, stop=stop)
+
+    def answer(self, question: str, hit: Hit | None, *, max_new_tokens: int = 256,
+               stop: Callable[[str], bool] | None = None) -> Answer:
+        """Answer ``question`` with ``hit`` (found by this library's ``lookup``, or None for the
+        instruction prefix alone); ``ask`` is ``lookup`` then this. ``stop`` as for ``ask``."""
+        t0 = time.perf_counter()
+        self._energy.start()
         if hit is None:
             artifact = self.prefix()
-            suffix, budget, stop, head = question_text(question), max_new_tokens, stop_after_boxed, ""
+            suffix, budget, own, head = question_text(question), max_new_tokens, stop_after_boxed, ""
         elif hit.method == "exact":
             artifact = self.load_entry(hit.entry, question)
-            suffix, budget, stop, head = RECALL_SUFFIX, min(RECALL_MAX_TOKENS, max_new_tokens), stop_at_brace, "\\boxed{"
+            suffix, budget, own, head = RECALL_SUFFIX, min(RECALL_MAX_TOKENS, max_new_tokens), stop_at_brace, "\\boxed{"
         else:
             artifact = self.load_entry(hit.entry)
-            suffix, budget, stop, head = question_text(question), max_new_tokens, stop_after_boxed, ""
+            suffix, budget, own, head = question_text(question), max_new_tokens, stop_after_boxed, ""
         ids = self.model.tokenizer.encode(suffix, first=False)
-        # EOS ends the answer and is not part of it (nor counted in decode_tokens).
-        decoded = continue_from(self.model, self.profile, artifact, ids, max_new_tokens=budget, keep_eos=False, stop=stop)
+        decoded = _decode(self.model, self.profile, artifact, ids, budget=budget, own=own, extra=stop, head=head)
         # A recall's output is its answer box: the prompt's opening brace and the decoded tokens,
         # so that any answer (a number or a word) is extracted from it by the same rule.
         text = head + decoded.text
-        answer = extract_answer(self.meta["kind"], text)
         joules, method = self._energy.stop(len(ids) + len(decoded.tokens))
         # Every text in the chain is signed and present: prefix() and load_entry() compared them.
         prompt = "".join(a.statement.predicate.source_text.text or "" for a in artifact.chain) + suffix
         return Answer(
-            question=question, answer=answer, text=text, prompt=prompt,
+            question=question, answer=extract_answer(self.meta["kind"], text), text=text, prompt=prompt,
             entry=hit.entry.artifact if hit else None, method=hit.method if hit else "none", score=hit.score if hit else 0.0,
             prompt_tokens=len(ids), decode_tokens=len(decoded.tokens), context_tokens=artifact.statement.predicate.positions.end + len(ids),
             seconds=time.perf_counter() - t0, energy_joules=joules, energy_method=method,
-            signature=artifact.signature,
+            signature=artifact.signature, stopped_by=decoded.stopped_by,
         )
 
     @property

@@ -4,7 +4,8 @@ One module per command group, each adding its subcommands with ``add_commands(su
 
 - ``keys``: ``keys generate``, ``keys trust``, ``sign`` (verifier and schemas only);
 - ``oms``: ``oms sign``, an OpenSSF model signing ``model.sig`` (verifier and schemas only);
-- ``engine``: ``models list``, ``models install``, ``capture``, ``graft``, ``fresh``, ``single-pass``, ``generate``, ``exactness``;
+- ``engine``: ``models list``, ``models install``, ``capture``, ``graft``, ``fresh``, ``single-pass``, ``generate``, ``exactness``,
+  ``engine serve`` (docs/engine-serve.md);
 - ``flywheel``: ``library deposit``, ``ask``, ``eval``, ``prereg``, ``replay`` (docs/flywheel.md);
 - ``serve``: ``serve``, ``token``, ``key``, ``fsck`` (the registry's admin side);
 - ``remote``: ``publish``, ``pull``, ``mirror``, ``report`` (the registry client);

@@ -85,6 +85,10 @@ class Extra:
 ENGINE = Extra("the engine", "pip install 'kvgraft[engine]' (torch==2.13.0 first)")
 REGISTRY = Extra("the registry", "pip install 'kvgraft[registry]'")
 REGISTRY_CLIENT = Extra("the registry client", "pip install 'kvgraft[registry]'")
+#: ``kvgraft engine serve`` runs the engine under the registry's web stack (litestar, uvicorn).
+ENGINE_SERVER = Extra("the engine server", "pip install 'kvgraft[engine,registry]' (torch==2.13.0 first)")
+#: ``kvgraft ask --engine`` needs only httpx (and the wire models in kvgraft.schemas).
+ENGINE_CLIENT = Extra("the engine client", "pip install 'kvgraft[registry]' (for httpx)")
 
 
 @contextmanager

@@ -1,5 +1,6 @@
 """The engine's ``kvgraft`` subcommands: ``models list``, ``models install``, ``capture``, ``graft``, ``fresh``,
-``single-pass``, ``generate`` and ``exactness``; and the options every engine command shares.
+``single-pass``, ``generate``, ``exactness`` and ``engine serve`` (docs/engine-serve.md); and the
+options every engine command shares.
 
 Each command imports ``kvgraft.engine`` (torch, transformers) when it runs, never at import:
 ``kvgraft --help`` and ``kvgraft keys`` work without the ``engine`` extra. The engine's types
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._common import ENGINE, CliError, add_command, passphrase
+from ._common import ENGINE, ENGINE_SERVER, CliError, add_command, passphrase
 
 if TYPE_CHECKING:
     from kvgraft.engine import LoadedArtifact, LoadedModel, Trust
@@ -224,8 +225,26 @@ def _cmd_exactness(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _cmd_engine_serve(args: argparse.Namespace) -> dict[str, Any]:
+    from kvgraft.engine import ServeConfig, ServeSettings, serve_engine
+
+    libraries = tuple(args.library or ())
+    # Only libraries hold artifacts to graft: without one there is nothing to verify.
+    trust = resolve_trust(args) if libraries else None
+    settings = ServeSettings(max_queue=args.max_queue, request_timeout=args.request_timeout,
+                             max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens)
+    config = ServeConfig(model=args.model, profile=args.profile, libraries=libraries, trust=trust, settings=settings)
+    started = serve_engine(config, host=args.host, port=args.port, log_level=args.log_level)
+    if not started:
+        raise CliError(f"the engine server did not start on {args.host}:{args.port}",
+                       hint="is the port in use? the lines above say why")
+    return {"model": args.model, "libraries": [str(p) for p in libraries], "host": args.host, "port": args.port,
+            "summary": f"engine server for {args.model} on {args.host}:{args.port} stopped"}
+
+
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``models``, ``capture``, ``graft``, ``fresh``, ``single-pass``, ``generate`` and ``exactness``."""
+    """Add ``models``, ``capture``, ``graft``, ``fresh``, ``single-pass``, ``generate``, ``exactness``
+    and ``engine serve``."""
     models = sub.add_parser("models", help="the models kvgraft knows")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     add_command(msub, "list", _cmd_models_list, extra=ENGINE,
@@ -283,3 +302,24 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     ex.add_argument("--keep-artifacts", action="store_true", help="keep each sample's artifact in OUT-artifacts/")
     add_key_options(ex)
     add_profile_option(ex)
+
+    eng = sub.add_parser("engine", help="serve the engine over HTTP (an OpenAI-compatible API)")
+    esub = eng.add_subparsers(dest="engine_command", required=True, metavar="ACTION")
+    srv = add_command(esub, "serve", _cmd_engine_serve, extra=ENGINE_SERVER,
+                      help="keep a model and its libraries loaded and answer OpenAI-style requests (docs/engine-serve.md)")
+    srv.add_argument("--model", required=True, help="the model to serve (its name is the API's model id)")
+    srv.add_argument("--library", type=Path, action="append", metavar="DIR",
+                     help="a library to answer from (repeatable: an exact hit in any wins, else the most similar entry)")
+    add_trust_options(srv)
+    add_profile_option(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    srv.add_argument("--max-queue", type=int, default=16, metavar="N",
+                     help="requests that may wait for the model besides the one it answers; past it 429 (default 16)")
+    srv.add_argument("--request-timeout", type=float, default=120.0, metavar="S",
+                     help="seconds a request may take, queue wait included; past it 504 and decoding stops (default 120)")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
+                     help="the largest request body; past it 413 (default 1048576)")
+    srv.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
+                     help="max_tokens of a request that gives none (default 256; a recall stops at 16)")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvgraft.schemas import LIBRARY_FILE, RECORD_FILE
 
-from ._common import ENGINE, CliError, add_command, progress
+from ._common import ENGINE, ENGINE_CLIENT, CliError, add_command, needs, progress
 from .engine import (
     add_key_options,
     add_profile_option,
@@ -133,22 +133,72 @@ def _open_library(args: argparse.Namespace) -> Library:
     return Library.open(args.library, model, profile, trusted=trust.keys, insecure_skip_verify=trust.skip)
 
 
-def _cmd_ask(args: argparse.Namespace) -> dict[str, Any]:
-    from kvgraft.engine import read_text
+def _ask_summary(result: dict[str, Any]) -> str:
+    """The line ``ask`` prints: the answer and its provenance (``Answer.to_json``'s fields)."""
+    return (
+        f"answer: {result['answer']} ({result['method']} entry {result['entry']}; {result['prompt_tokens']} prompt + "
+        f"{result['decode_tokens']} decode tokens on {result['context_tokens'] - result['prompt_tokens']} grafted; "
+        f"{result['seconds']:.3f} s; {result['energy_joules']:.3g} J {result['energy_method']})"
+    )
 
-    question = args.question
-    if question is None:
-        question = read_text(args.question_file, what="question file")
+
+#: The longest question file read: a question is a paragraph (the server's limit is 256 Ki characters).
+MAX_QUESTION_FILE_BYTES = 1 << 20
+
+
+def _read_question(path: Path) -> str:
+    """``--question-file``: UTF-8 text, at most ``MAX_QUESTION_FILE_BYTES`` (read here, not by the
+    engine, so that ``ask --engine`` imports no torch)."""
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_QUESTION_FILE_BYTES + 1)
+    except FileNotFoundError as e:
+        raise CliError(f"the question file {path} does not exist", hint="pass --question-file PATH, or --question TEXT") from e
+    except OSError as e:
+        raise CliError(f"cannot read the question file {path}: {e.strerror}", hint="pass a readable file, or --question TEXT") from e
+    if len(data) > MAX_QUESTION_FILE_BYTES:
+        raise CliError(f"the question file {path} is over {MAX_QUESTION_FILE_BYTES} bytes", hint="ask a shorter question")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CliError(f"the question file {path} is not UTF-8 text", hint="save it as UTF-8") from e
+
+
+def _cmd_ask(args: argparse.Namespace) -> dict[str, Any]:
+    question = args.question if args.question is not None else _read_question(args.question_file)
     if not question.strip():
         raise CliError("the question is empty", hint="pass --question TEXT or --question-file PATH")
+    if args.engine is not None:
+        return _ask_engine(args, question)
+    if args.model is not None or args.timeout is not None:
+        raise CliError("--model and --timeout are for --engine", hint="a --library names its own model; drop them")
     library = _open_library(args)
     answer = library.ask(question, max_new_tokens=args.max_new_tokens)
     result = answer.to_json()
-    result["summary"] = (
-        f"answer: {answer.answer} ({answer.method} entry {answer.entry}; {answer.prompt_tokens} prompt + "
-        f"{answer.decode_tokens} decode tokens on {answer.context_tokens - answer.prompt_tokens} grafted; "
-        f"{answer.seconds:.3f} s; {answer.energy_joules:.3g} J {answer.energy_method})"
-    )
+    result["summary"] = _ask_summary(result)
+    return result
+
+
+def _ask_engine(args: argparse.Namespace, question: str) -> dict[str, Any]:
+    """``ask --engine URL``: the same question, answered by a running ``kvgraft engine serve``."""
+    if args.trusted_keys is not None or args.trust_local_key or args.insecure_skip_verify:
+        raise CliError("the trust options are for --library: the engine server verifies its artifacts with its own keys",
+                       hint="drop --trusted-keys, --trust-local-key and --insecure-skip-verify with --engine")
+    with needs(ENGINE_CLIENT):
+        from ._engine_client import DEFAULT_TIMEOUT, EngineClient
+
+        with EngineClient(args.engine, timeout=args.timeout or DEFAULT_TIMEOUT) as client:
+            completion = client.ask(question, model=args.model, max_tokens=args.max_new_tokens)
+    p = completion.kvgraft
+    result: dict[str, Any] = {
+        "answer": p.answer, "text": completion.choices[0].message.content if completion.choices else "",
+        "entry": p.entry, "method": p.method, "signature": p.signature, "score": p.score,
+        "prompt_tokens": p.prompt_tokens, "decode_tokens": p.decode_tokens, "context_tokens": p.context_tokens,
+        "seconds": p.seconds, "energy_joules": p.energy_joules, "energy_method": p.energy_method,
+        "engine": args.engine, "model": completion.model,
+        "finish_reason": completion.choices[0].finish_reason if completion.choices else None,
+    }
+    result["summary"] = _ask_summary(result)
     return result
 
 
@@ -270,8 +320,14 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     add_registry_options(dep, required=False)
 
     ask = add_command(sub, "ask", _cmd_ask, extra=ENGINE,
-                      help="answer a question from a library (graft the entry, decode what is missing)")
-    ask.add_argument("--library", type=Path, required=True)
+                      help="answer a question from a library (graft the entry, decode what is missing), "
+                      "or ask a running 'kvgraft engine serve'")
+    where = ask.add_mutually_exclusive_group(required=True)
+    where.add_argument("--library", type=Path, help="answer here, loading the model and the library")
+    where.add_argument("--engine", metavar="URL", help="ask the engine server at URL instead (docs/engine-serve.md)")
+    ask.add_argument("--model", help="with --engine: the served model to ask (default: the server's only one)")
+    ask.add_argument("--timeout", type=float, metavar="S",
+                     help="with --engine: seconds the whole request may take (default 180)")
     q = ask.add_mutually_exclusive_group(required=True)
     q.add_argument("--question", help="the question text")
     q.add_argument("--question-file", type=Path)

@@ -52,11 +52,63 @@ def _witnesses(values: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def _blob_store(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``blob_store`` and ``s3`` settings of ``--blob-store`` and the ``--s3-*`` options, checked."""
+    from kvgraft.registry import S3Settings
+
+    try:
+        store: dict[str, Any] = {
+            "blob_store": args.blob_store,
+            "s3": S3Settings(
+                endpoint_url=args.s3_endpoint_url,
+                region=args.s3_region,
+                access_key_id=args.s3_access_key_id,
+                secret_access_key_file=args.s3_secret_access_key_file,
+                part_size=args.s3_part_size,
+                server_checksum=args.s3_server_checksum,
+                timeout=args.s3_timeout,
+                max_attempts=args.s3_max_attempts,
+            ),
+        }
+        RegistrySettings(**store)
+    except ValueError as e:
+        raise CliError(
+            str(e),
+            hint="pass --blob-store s3://BUCKET[/PREFIX] with --s3-endpoint-url http(s)://HOST:PORT for a store other "
+            "than AWS, and --s3-part-size of 5 MiB to 5 GiB (docs/registry.md, 'Deploying at scale')",
+        ) from e
+    return store
+
+
+def _add_blob_store_options(p: argparse.ArgumentParser) -> None:
+    """``--blob-store`` and the ``--s3-*`` options (``serve`` and ``fsck`` take the same)."""
+    d = _DEFAULTS.s3
+    p.add_argument("--blob-store", metavar="s3://BUCKET[/PREFIX]",
+                   help="the registry's blobs are on this S3-compatible object store, under PREFIX/blobs/ (default: DATA/blobs)")
+    p.add_argument("--s3-endpoint-url", metavar="URL",
+                   help="the S3-compatible store's URL (default: $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL, else AWS)")
+    p.add_argument("--s3-region", metavar="REGION", help="the bucket's region (default: $AWS_REGION, $AWS_DEFAULT_REGION)")
+    p.add_argument("--s3-access-key-id", metavar="ID",
+                   help="access key id, with --s3-secret-access-key-file (default: $AWS_ACCESS_KEY_ID and the AWS credential chain)")
+    p.add_argument("--s3-secret-access-key-file", type=Path, metavar="FILE",
+                   help="a file holding the secret access key on its first line (never the secret itself on the command line)")
+    p.add_argument("--s3-part-size", type=int, default=d.part_size, metavar="N",
+                   help=f"bytes per multipart upload part, 5 MiB to 5 GiB; memory per upload in flight (default {d.part_size})")
+    p.add_argument("--s3-timeout", type=float, default=d.timeout, metavar="SECONDS",
+                   help=f"seconds to connect, and to wait for each read, before a request is retried (default {d.timeout:g})")
+    p.add_argument("--s3-max-attempts", type=int, default=d.max_attempts, metavar="N",
+                   help=f"tries per S3 request, with backoff (default {d.max_attempts})")
+    p.add_argument("--no-s3-server-checksum", dest="s3_server_checksum", action="store_false",
+                   help="do not send x-amz-checksum-sha256 (for a store that refuses it; the registry still checks every digest)")
+
+
 def _cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry import serve
 
+    store = {**_blob_store(args), "blob_store_moved": args.blob_store_moved}
     try:
         settings = RegistrySettings(
+            **store,
             origin=args.origin,
             max_blob_bytes=args.max_blob_bytes,
             max_envelope_bytes=args.max_envelope_bytes,
@@ -75,9 +127,18 @@ def _cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
             verify_on_read_bytes=args.verify_on_read_bytes,
             witnesses=_witnesses(args.witness or []),
             witness_timeout=args.witness_timeout,
+            batch_max_entries=args.batch_max_entries,
+            batch_wait_ms=args.batch_wait_ms,
+            max_publish_queue=args.max_publish_queue,
+            max_publish_queue_bytes=args.max_publish_queue_bytes,
+            database=args.database,
         )
     except ValueError as e:
-        raise CliError(str(e), hint="pass positive sizes and counts, a rate limit >= 0, a burst >= 1 and a scrub interval >= 0") from e
+        raise CliError(
+            str(e),
+            hint="pass positive sizes and counts, a rate limit >= 0, a burst >= 1, a scrub interval >= 0, a batch wait of 0 to 1000 ms "
+            "and --database as postgresql://USER@HOST:PORT/DBNAME",
+        ) from e
     started = serve(args.data, host=args.host, port=args.port, settings=settings, log_level=args.log_level)
     if not started:
         raise CliError(f"the registry server on {args.host}:{args.port} did not start", hint="see the log above (is the port in use?)")
@@ -91,7 +152,7 @@ def _cmd_key_add(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry import admin_session
 
     pem = _read_pem(args.public_key)
-    with admin_session(args.data, create=True) as (admin, via):
+    with admin_session(args.data, database=args.database, create=True) as (admin, via):
         result = admin.add_key(args.publisher, pem)
     what = "registered" if result["created"] else "was already registered"
     return {**result, "via": via, "summary": f"key {result['keyid']} {what} for publisher {result['publisher']}"}
@@ -100,7 +161,7 @@ def _cmd_key_add(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_key_list(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry import admin_session
 
-    with admin_session(args.data, create=False) as (admin, via):
+    with admin_session(args.data, database=args.database, create=False) as (admin, via):
         keys = admin.list_keys()
     lines = [f"{'PUBLISHER':<20} {'KEYID':<64} CREATED"]
     lines += [f"{k['publisher']:<20} {k['keyid']:<64} {k['created_at']}" for k in keys]
@@ -114,7 +175,7 @@ def _cmd_token_create(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry import admin_session
 
     pems = [_read_pem(p) for p in args.key]
-    with admin_session(args.data, create=True) as (admin, via):
+    with admin_session(args.data, database=args.database, create=True) as (admin, via):
         result = admin.create_token(args.publisher, pems)
     registered = result.get("registered_keys") or []
     note = f"; registered key(s) {', '.join(registered)} for {result['publisher']}" if registered else ""
@@ -130,7 +191,7 @@ def _cmd_token_create(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_token_list(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry import admin_session
 
-    with admin_session(args.data, create=False) as (admin, via):
+    with admin_session(args.data, database=args.database, create=False) as (admin, via):
         tokens = admin.list_tokens()
     lines = [f"{'TOKEN ID':<17} {'PUBLISHER':<20} {'CREATED':<21} {'REVOKED':<21} KEYS"]
     lines += [
@@ -144,7 +205,7 @@ def _cmd_token_list(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_token_revoke(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry import admin_session
 
-    with admin_session(args.data, create=False) as (admin, via):
+    with admin_session(args.data, database=args.database, create=False) as (admin, via):
         result = admin.revoke_token(args.token_id)
     when = "now" if result["changed"] else f"already, at {result['revoked_at']}"
     applies = "from the server's next request on" if via == "server" else "(the server was not running)"
@@ -157,7 +218,9 @@ def _cmd_token_revoke(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_fsck(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.registry import fsck
 
-    report = fsck(args.data, quarantine=not args.no_quarantine)
+    report = fsck(
+        args.data, quarantine=not args.no_quarantine, settings=RegistrySettings(**_blob_store(args)), database=args.database
+    )
     doc = {**report.document(), "summary": report.summary()}
     if report.ok:
         return doc
@@ -168,7 +231,8 @@ def _cmd_fsck(args: argparse.Namespace) -> dict[str, Any]:
     raise CliError(
         f"fsck found {len(report.damaged)} damaged thing(s) in {args.data}{moved}: {report.names()}",
         hint="upload a damaged blob's right bytes again (PUT /v1/blobs/sha256:<hex>, or 'kvgraft publish') to repair it; "
-        "a damaged entry, checkpoint or log means restoring registry.duckdb from a backup",
+        "a damaged entry, checkpoint or log means restoring the database (registry.duckdb, or the PostgreSQL database) "
+        "from a backup",
         result=doc,  # kvgraft --json prints the whole report with the failure
     )
 
@@ -178,9 +242,12 @@ def _cmd_fsck(args: argparse.Namespace) -> dict[str, Any]:
 
 def _data_command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, command: Command,
                   help: str) -> argparse.ArgumentParser:
-    """A command over a registry data directory (``--data DIR``)."""
+    """A command over a registry data directory (``--data DIR``) and its database (``--database URL``)."""
     p = add_command(sub, name, command, help=help, extra=REGISTRY)
     p.add_argument("--data", type=Path, required=True, metavar="DIR", help="the registry's data directory")
+    p.add_argument("--database", metavar="URL",
+                   help="a PostgreSQL database (postgresql://USER@HOST:PORT/DBNAME; the password in PGPASSWORD or "
+                   "~/.pgpass) shared by several servers; default: registry.duckdb in the data directory")
     return p
 
 
@@ -208,8 +275,15 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         ("--max-header-count", d.max_header_count, "request headers (more: 431)"),
         ("--max-lineage-depth", d.max_lineage_depth, "parent chain length accepted and walked"),
         ("--max-json-depth", d.max_json_depth, "nesting depth of posted JSON"),
+        ("--batch-max-entries", d.batch_max_entries, "publishes appended per batch, under one signed checkpoint"),
+        ("--max-publish-queue", d.max_publish_queue, "verified publishes waiting for a batch (more: 503)"),
+        ("--max-publish-queue-bytes", d.max_publish_queue_bytes, "envelope bytes waiting for a batch (more: 503)"),
     ):
         serve.add_argument(flag, type=int, default=default, metavar="N", help=f"{what} (default {default})")
+    serve.add_argument("--batch-wait-ms", type=float, default=d.batch_wait_ms, metavar="MS",
+                       help="milliseconds a batch waits, after its first publish, for more that are being read or verified; "
+                       "0: only those already queued "
+                       f"(default {d.batch_wait_ms:g})")
     serve.add_argument("--verify-on-read-bytes", type=int, default=d.verify_on_read_bytes, metavar="N",
                        help="re-hash blobs up to this size each time they are served; 0: never "
                        f"(default {d.verify_on_read_bytes})")
@@ -221,6 +295,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                        help="a witness to submit every new checkpoint to, and serve its cosignatures (repeat; docs/witness.md)")
     serve.add_argument("--witness-timeout", type=float, default=d.witness_timeout, metavar="SECONDS",
                        help=f"seconds one request to a witness may take (default {d.witness_timeout:g})")
+    _add_blob_store_options(serve)
+    serve.add_argument("--blob-store-moved", action="store_true",
+                       help="every blob was copied to the store given now (--blob-store, or none for DATA/blobs): record it "
+                       "as the log's blob store instead of refusing to start on another one than before")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
     token = sub.add_parser("token", help="create, list and revoke publishing tokens")
@@ -242,7 +320,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     _data_command(ksub, "list", _cmd_key_list, help="list registered keys")
 
     check = _data_command(sub, "fsck", _cmd_fsck,
-                          help="check a stopped registry's data directory: re-hash every blob (quarantining bad ones), "
-                          "check entries, log leaves and roots; exit 1 naming what is damaged")
+                          help="check a registry's data: re-hash every blob (quarantining bad ones), check entries, log leaves "
+                          "and roots; exit 1 naming what is damaged (DuckDB: the server stopped; PostgreSQL: "
+                          "one snapshot while the servers run)")
+    _add_blob_store_options(check)
     check.add_argument("--no-quarantine", action="store_true",
                        help="only report damaged blobs; leave them in place (and served)")

@@ -2,22 +2,39 @@
 
 A token is shown once, when it is made; the database keeps only its sha256. Each token belongs
 to one publisher and is bound to some of that publisher's keys: it may publish envelopes
-signed by those keys only. Every check reads the database, so a revocation applies to the
-very next request.
+signed by those keys only.
+
+The token and key lookups a request makes (``authenticate``, ``authenticate_id``,
+``bound_keys``, ``registered_keys``) are remembered in memory: a publish then costs no
+database statement before its batch (DuckDB pays about a millisecond per statement, and every
+statement waits for the database lock the sequencer holds while a batch commits). The memory
+is exact, not a time-limited cache: every change to publishers, keys and tokens goes through
+this class (the running server owns the database file; admin commands reach it through its
+admin API), and each change empties the memory under the database lock before the lock is
+released, so a revocation still applies to the very next request. A lookup fills the memory
+while it holds that lock, so a fill never outlives a change it did not see.
+
+A PostgreSQL database is shared by several server processes, and a change made through one
+(or by an admin command) must reach the others' memory too: each change there also counts up
+``accounts_generation`` in ``meta`` and notifies the other processes, whose listener
+(cluster.py) calls ``sync``, and the sequencer calls ``sync`` before every batch. So a
+revocation committed anywhere refuses every publish sequenced after it, and every other
+request within the milliseconds a notification takes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kvgraft.verifier import KeyFileError, KeyId, TrustedKey, keyid_of, parse_public_key, public_key_pem, trusted_key
 
-from .db import Database, now_utc
+from .db import ACCOUNTS_CHANNEL, Connection, Database, now_utc
 from .errors import (
     AuthenticationError,
     BadRequestError,
@@ -33,6 +50,14 @@ _PUBLISHER = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}", re.ASCII)
 _TOKEN_ID = re.compile(r"tok_[0-9a-f]{12}", re.ASCII)
 # Bounds what an Authorization header can make the server hash.
 _MAX_TOKEN_LENGTH = 256
+
+T = TypeVar("T")
+
+
+#: A lookup not remembered yet (None is a remembered answer: a revoked token id).
+_NOTHING = object()
+#: The ``meta`` key counting changes to publishers, keys and tokens (shared databases only).
+_GENERATION = "accounts_generation"
 
 
 def token_hash(token: str) -> str:
@@ -61,6 +86,54 @@ class Accounts:
 
     def __init__(self, db: Database) -> None:
         self._db = db
+        # Lookups remembered until the next change (see the module docstring). Keys are
+        # (kind, ...) tuples of token hashes, token ids and key ids this registry issued or
+        # holds: only successful lookups are kept, so a stranger's guesses never grow it.
+        self._memory: dict[tuple[Any, ...], Any] = {}
+        #: ``accounts_generation`` when the memory was last checked against it (shared databases).
+        self._generation: str | None = None
+
+    def _remembered(self, key: tuple[Any, ...], load: Callable[[], T]) -> T:
+        """``load()``'s value, remembered under ``key`` until the next change."""
+        found = self._memory.get(key, _NOTHING)
+        if found is not _NOTHING:
+            return found
+        with self._db.lock:
+            # Loaded and stored under the lock every change holds too: no change can land between.
+            value = load()
+            self._memory[key] = value
+        return value
+
+    @contextlib.contextmanager
+    def _change(self) -> Iterator[Connection]:
+        """A transaction that changes publishers, keys or tokens; the memory is emptied before the lock is released."""
+        with self._db.lock:
+            try:
+                with self._db.transaction() as conn:
+                    yield conn
+                    if self._db.dialect.shared:
+                        conn.execute(
+                            "INSERT INTO meta VALUES (?, '1') ON CONFLICT (key) DO UPDATE "
+                            "SET value = CAST(CAST(meta.value AS BIGINT) + 1 AS VARCHAR)",
+                            [_GENERATION],
+                        )
+                        self._db.dialect.notify(conn, ACCOUNTS_CHANNEL)
+            finally:
+                self._memory = {}
+
+    def sync(self) -> None:
+        """Forget every remembered lookup if another process changed accounts since the last ``sync``.
+
+        One statement, on a shared (PostgreSQL) database only; a no-op on DuckDB, where every
+        change goes through this object.
+        """
+        if not self._db.dialect.shared:
+            return
+        with self._db.lock:
+            generation = self._db.get_meta(_GENERATION)
+            if generation != self._generation:
+                self._memory = {}
+                self._generation = generation
 
     # --- keys ------------------------------------------------------------------------------
 
@@ -77,7 +150,7 @@ class Accounts:
         except KeyFileError as e:
             raise BadRequestError(e.message, hint="pass an Ed25519, P-256 or P-384 public key PEM ('kvgraft keys generate' writes one as .pub)") from e
         keyid = keyid_of(key)
-        with self._db.transaction() as conn:
+        with self._change() as conn:
             row = conn.execute("SELECT publisher FROM publisher_keys WHERE keyid = ?", [keyid]).fetchone()
             if row is not None:
                 if row[0] != publisher:
@@ -87,7 +160,7 @@ class Accounts:
                     )
                 return {"publisher": publisher, "keyid": keyid, "created": False}
             now = now_utc()
-            conn.execute("INSERT OR IGNORE INTO publishers VALUES (?, ?)", [publisher, now])
+            conn.execute("INSERT INTO publishers VALUES (?, ?) ON CONFLICT DO NOTHING", [publisher, now])
             conn.execute(
                 "INSERT INTO publisher_keys VALUES (?, ?, ?, ?)",
                 [keyid, publisher, public_key_pem(key).decode("ascii"), now],
@@ -112,12 +185,16 @@ class Accounts:
         return [{"name": n, "created_at": c, "keys": keys.get(n, [])} for n, c in names]
 
     def registered_keys(self) -> dict[str, tuple[TrustedKey, str]]:
-        """key id -> (key, publisher), for every registered key."""
-        rows = self._db.query("SELECT keyid, publisher, public_key_pem FROM publisher_keys")
-        return {
-            kid: (trusted_key(f"{pub}/{kid[:16]}", parse_public_key(pem.encode("ascii"), source=f"registered key {kid}")), pub)
-            for kid, pub, pem in rows
-        }
+        """key id -> (key, publisher), for every registered key (the caller must not change it)."""
+
+        def load() -> dict[str, tuple[TrustedKey, str]]:
+            rows = self._db.query("SELECT keyid, publisher, public_key_pem FROM publisher_keys")
+            return {
+                kid: (trusted_key(f"{pub}/{kid[:16]}", parse_public_key(pem.encode("ascii"), source=f"registered key {kid}")), pub)
+                for kid, pub, pem in rows
+            }
+
+        return self._remembered(("registered",), load)
 
     # --- tokens ----------------------------------------------------------------------------
 
@@ -142,7 +219,7 @@ class Accounts:
                 raise BadRequestError(e.message, hint="pass Ed25519, P-256 or P-384 public key PEM files ('kvgraft keys generate' writes .pub)") from e
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)
         token_id = "tok_" + secrets.token_hex(6)
-        with self._db.transaction() as conn:
+        with self._change() as conn:
             for key in parsed:
                 keyid = keyid_of(key)
                 row = conn.execute("SELECT publisher FROM publisher_keys WHERE keyid = ?", [keyid]).fetchone()
@@ -153,7 +230,7 @@ class Accounts:
                     )
                 if row is None:
                     now = now_utc()
-                    conn.execute("INSERT OR IGNORE INTO publishers VALUES (?, ?)", [publisher, now])
+                    conn.execute("INSERT INTO publishers VALUES (?, ?) ON CONFLICT DO NOTHING", [publisher, now])
                     conn.execute(
                         "INSERT INTO publisher_keys VALUES (?, ?, ?, ?)",
                         [keyid, publisher, public_key_pem(key).decode("ascii"), now],
@@ -172,7 +249,7 @@ class Accounts:
         """Every token (never the token itself): id, publisher, keys, created, revoked."""
         rows = self._db.query(
             "SELECT t.token_id, t.publisher, t.created_at, t.revoked_at, "
-            "list(k.keyid ORDER BY k.keyid) FILTER (WHERE k.keyid IS NOT NULL) "
+            "array_agg(k.keyid ORDER BY k.keyid) FILTER (WHERE k.keyid IS NOT NULL) "
             "FROM tokens t LEFT JOIN token_keys k ON k.token_id = t.token_id "
             "GROUP BY t.token_id, t.publisher, t.created_at, t.revoked_at ORDER BY t.created_at, t.token_id"
         )
@@ -185,7 +262,7 @@ class Accounts:
         """Revoke a token; revoking a revoked token changes nothing."""
         if not isinstance(token_id, str) or not _TOKEN_ID.fullmatch(token_id):
             raise TokenNotFoundError(f"{token_id!r} is not a token id (tok_ and 12 hex digits)")
-        with self._db.transaction() as conn:
+        with self._change() as conn:
             row = conn.execute("SELECT publisher, revoked_at FROM tokens WHERE token_id = ?", [token_id]).fetchone()
             if row is None:
                 raise TokenNotFoundError(f"no token has id {token_id}")
@@ -208,37 +285,49 @@ class Accounts:
             raise AuthenticationError("the Authorization header is not 'Bearer <token>'")
         if len(token) > _MAX_TOKEN_LENGTH:
             raise AuthenticationError("the bearer token is not one this registry issued")
+        hashed = token_hash(token)
+        found = self._memory.get(("token", hashed))
+        if isinstance(found, TokenInfo):
+            return found
         with self._db.lock:
-            row = self._db.query_one(
-                "SELECT token_id, publisher, revoked_at FROM tokens WHERE token_hash = ?", [token_hash(token)]
-            )
+            row = self._db.query_one("SELECT token_id, publisher, revoked_at FROM tokens WHERE token_hash = ?", [hashed])
             if row is None:
                 raise AuthenticationError("the bearer token is not one this registry issued")
             token_id, publisher, revoked_at = row
             if revoked_at is not None:
                 raise TokenRevokedError(f"token {token_id} was revoked at {revoked_at}")
             keys = self._db.query("SELECT keyid FROM token_keys WHERE token_id = ? ORDER BY keyid", [token_id])
-        return TokenInfo(token_id=token_id, publisher=publisher, keyids=tuple(k for (k,) in keys))
+            info = TokenInfo(token_id=token_id, publisher=publisher, keyids=tuple(k for (k,) in keys))
+            # Only a valid token is remembered (under the lock, as in _remembered).
+            self._memory[("token", hashed)] = info
+        return info
 
     def authenticate_id(self, token_id: str) -> TokenInfo | None:
         """The token ``token_id`` as it stands now, or None when it is revoked or gone."""
-        with self._db.lock:
+
+        def load() -> TokenInfo | None:
             row = self._db.query_one("SELECT publisher, revoked_at FROM tokens WHERE token_id = ?", [token_id])
             if row is None or row[1] is not None:
                 return None
             keys = self._db.query("SELECT keyid FROM token_keys WHERE token_id = ? ORDER BY keyid", [token_id])
-        return TokenInfo(token_id=token_id, publisher=row[0], keyids=tuple(k for (k,) in keys))
+            return TokenInfo(token_id=token_id, publisher=row[0], keyids=tuple(k for (k,) in keys))
+
+        return self._remembered(("id", token_id), load)
 
     def bound_keys(self, info: TokenInfo) -> list[TrustedKey]:
         """The keys a token may publish under (those still registered for its publisher)."""
         if not info.keyids:
             return []
-        placeholders = ", ".join("?" for _ in info.keyids)
-        rows = self._db.query(
-            f"SELECT keyid, public_key_pem FROM publisher_keys WHERE publisher = ? AND keyid IN ({placeholders})",  # only placeholders are interpolated
-            [info.publisher, *info.keyids],
-        )
-        return [
-            trusted_key(f"{info.publisher}/{kid[:16]}", parse_public_key(pem.encode("ascii"), source=f"registered key {kid}"))
-            for kid, pem in rows
-        ]
+
+        def load() -> list[TrustedKey]:
+            placeholders = ", ".join("?" for _ in info.keyids)
+            rows = self._db.query(
+                f"SELECT keyid, public_key_pem FROM publisher_keys WHERE publisher = ? AND keyid IN ({placeholders})",  # only placeholders are interpolated
+                [info.publisher, *info.keyids],
+            )
+            return [
+                trusted_key(f"{info.publisher}/{kid[:16]}", parse_public_key(pem.encode("ascii"), source=f"registered key {kid}"))
+                for kid, pem in rows
+            ]
+
+        return list(self._remembered(("bound", info.publisher, info.keyids), load))

@@ -5,6 +5,10 @@ command first tries to open the database itself (the server is not running: chan
 its next start); when the file is locked it reads ``DATA/admin.json``, which the running
 server writes (mode 0600) with its URL and a fresh admin secret, and asks the server to make
 the change (it applies to the very next request). Both paths run the same ``Accounts`` code.
+
+A PostgreSQL database (``--database``) is shared by every server process, so an admin command
+always changes it directly; each running server sees the change before its next batch of
+publishes, and within milliseconds for every other request (accounts.py).
 """
 
 from __future__ import annotations
@@ -108,18 +112,20 @@ class ServerAdmin:
 
 
 @contextlib.contextmanager
-def admin_session(root: Path, *, create: bool) -> Iterator[tuple[AdminBackend, str]]:
+def admin_session(root: Path, *, create: bool, database: str | None = None) -> Iterator[tuple[AdminBackend, str]]:
     """An admin backend for the data directory ``root`` and how it was reached ("database" or "server").
 
     With ``create`` a missing data directory is initialised (its database only: the registry
-    key and the log's origin are made by the first ``kvgraft serve``).
+    key and the log's origin are made by the first ``kvgraft serve``). ``database``: a
+    PostgreSQL URL instead of the data directory's DuckDB file.
     """
     if create:
         prepare(root)
     elif not root.is_dir():
         raise AdminUnavailableError(f"{root} is not a registry data directory (it does not exist)", hint="check --data")
     try:
-        db = Database.open(root, create=create)
+        db = Database.open(root, create=create, database=database)
+        db.release_log()  # an admin change appends nothing to the log
     except DatabaseLockedError as e:
         handle = read_admin_handle(DataDir(root))
         if handle is None or handle.url is None:

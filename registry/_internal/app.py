@@ -7,6 +7,7 @@ both ways in fixed-size chunks.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hashlib
@@ -50,7 +51,7 @@ from kvgraft.schemas import (
 )
 
 from .accounts import TokenInfo
-from .blobs import BlobScrubber, parse_digest_ref
+from .blobs import WHOLE_READ_BYTES, BlobScrubber, parse_digest_ref
 from .cosignatures import MAX_WITNESSES, WitnessCollector, witness_targets
 from .datadir import AdminHandle, remove_admin_handle, write_admin_handle
 from .entries import json_depth_within, kind_of_filter
@@ -65,10 +66,12 @@ from .errors import (
 )
 from .openapi import registry_openapi_config
 from .ranges import if_range_allows, none_match, parse_range
+from .readcache import EnvelopeCache
 from .security import add_security_headers
-from .service import Page, Registry
+from .sequencer import Sequencer
+from .service import Page, PreparedPublish, Published, Registry
 from .settings import RegistrySettings
-from .tiles import CHECKPOINT_CACHE, TILES_PREFIX, tile_resource
+from .tiles import CHECKPOINT_CACHE, IMMUTABLE, TILES_PREFIX, tile_resource
 from .ui import static_router, ui_router
 
 logger = logging.getLogger("kvgraft.registry")
@@ -76,7 +79,6 @@ logger = logging.getLogger("kvgraft.registry")
 PROBLEM_JSON = "application/problem+json"
 #: Admin secrets start with this, so one is never mistaken for a publisher token.
 ADMIN_SECRET_PREFIX = "kvgadm_"
-_IMMUTABLE = "public, max-age=31536000, immutable"
 
 T = TypeVar("T")
 
@@ -447,14 +449,21 @@ async def put_blob(request: Request[Any, Any, Any], digest: FromPath[str]) -> Re
 
 
 def _blob_headers(hex_digest: str) -> dict[str, str]:
-    return {"ETag": f'"sha256:{hex_digest}"', "Accept-Ranges": "bytes", "Cache-Control": _IMMUTABLE}
+    return {"ETag": f'"sha256:{hex_digest}"', "Accept-Ranges": "bytes", "Cache-Control": IMMUTABLE}
 
 
 async def _blob_size(registry: Registry, hex_digest: str) -> int:
-    # 404 blob-quarantined for a blob moved aside as damaged, 404 blob-not-found otherwise.
+    """The blob's size for an answer that sends none of its bytes (HEAD, 304) or only a range.
+
+    A blob this process verified is answered from memory (no thread hop, no disk). Otherwise
+    404 blob-quarantined for a blob moved aside as damaged, 404 blob-not-found when never stored;
+    a small one is re-hashed first, so that rot is caught (and quarantined) before a byte goes out.
+    """
+    size = registry.blobs.verified_size(hex_digest)
+    if size is not None:
+        return size
     size = await _run(registry.blobs.require, hex_digest)
     if size <= registry.settings.verify_on_read_bytes:
-        # Cheap enough to re-hash on every read: rot is caught (and quarantined) before a byte goes out.
         await _run(registry.blobs.verify, hex_digest)
     return size
 
@@ -479,14 +488,29 @@ async def get_blob(request: Request[Any, Any, Any], digest: FromPath[str]) -> Re
     """Stream a blob. Honours If-None-Match (304), Range (206, several ranges as multipart/byteranges,
     416 when none overlaps) and If-Range."""
     registry = _registry(request)
+    blobs = registry.blobs
     hex_digest = _blob_hex(digest)
-    size = await _blob_size(registry, hex_digest)
     headers = _blob_headers(hex_digest)
     etag = headers["ETag"]
     if none_match(request.headers.get("if-none-match"), etag):
+        await _blob_size(registry, hex_digest)  # 404 for a blob not (or no longer) here
         return Response(content=None, status_code=304, headers=headers)
+    # A blob up to WHOLE_READ_BYTES: read once, hashed, sent in one piece (a range as a slice of
+    # those verified bytes); rot raises here, before the status line goes out.
+    size, whole = await blobs.fetch_whole(hex_digest, WHOLE_READ_BYTES)
     ranges = parse_range(request.headers.get("range"), size) if if_range_allows(request.headers.get("if-range"), etag) else None
-    blobs = registry.blobs
+    if whole is not None and (ranges is None or len(ranges) == 1):
+        first, last = (0, size - 1) if ranges is None else ranges[0]
+        part = {} if ranges is None else {"Content-Range": f"bytes {first}-{last}/{size}"}
+        return Response(
+            content=whole if ranges is None else whole[first : last + 1],
+            status_code=200 if ranges is None else 206,
+            headers={**headers, **part},
+            media_type="application/octet-stream",
+        )
+    if whole is None and ranges is not None and size <= registry.settings.verify_on_read_bytes:
+        # A range of a blob too large to read whole, yet small enough to re-hash on every read.
+        await _run(blobs.verify, hex_digest)
     if ranges is None:
         # Hashed while streamed; on a mismatch the response is cut short before its last chunk.
         return Stream(
@@ -514,6 +538,9 @@ async def get_blob(request: Request[Any, Any, Any], digest: FromPath[str]) -> Re
     async def parts() -> AsyncIterator[bytes]:
         for part_head, (a, b) in zip(heads, ranges, strict=True):
             yield part_head
+            if whole is not None:
+                yield whole[a : b + 1]
+                continue
             async for chunk in blobs.read(hex_digest, a, b + 1):
                 yield chunk
         yield tail
@@ -537,9 +564,15 @@ async def post_entry(request: Request[Any, Any, Any]) -> Response[EntryDocument]
     proof and the new checkpoint; 200 with the same when these exact bytes are already logged.
     """
     registry = _registry(request)
-    token = await _authenticate(request)
-    body = await _read_limited(request, registry.settings.max_envelope_bytes, "envelope")
-    published = await _run(registry.publish, body, token)
+    # On its way to the sequencer from here: an open batch waits for it (up to batch_wait_ms).
+    with registry.sequencer.arriving() if registry.sequencer is not None else contextlib.nullcontext():
+        token = await _authenticate(request)
+        body = await _read_limited(request, registry.settings.max_envelope_bytes, "envelope")
+        # Verified in a worker thread, concurrently with other publishes; then queued for the
+        # sequencer, whose batch answers it once durable: no thread waits meanwhile.
+        prepared = await _run(registry.prepare_publish, body, token)
+        pending = prepared if isinstance(prepared, Published) else registry.submit(prepared)
+    published = pending if isinstance(pending, Published) else await asyncio.wrap_future(pending)
     index = published.document["entry"]["log_index"]
     return Response(
         content=_wire(EntryDocument, published.document),
@@ -567,12 +600,18 @@ async def get_entry(request: Request[Any, Any, Any], ref: FromPath[str]) -> Entr
 @get("/v1/entries/{ref:str}/envelope", guards=[read_guard], summary="An entry's envelope bytes")
 async def get_envelope(request: Request[Any, Any, Any], ref: FromPath[str]) -> Response[bytes]:
     """The envelope exactly as posted: the bytes the log leaf hashes."""
-    data, digest = await _run(_registry(request).envelope, ref)
-    etag = f'"{digest}"'
-    headers = {"ETag": etag, "Cache-Control": _IMMUTABLE}
+    # Entries never change once logged: one read from the database serves every later request
+    # (and its 304) from memory, without a thread hop.
+    cache: EnvelopeCache = request.app.state.envelopes
+    found = cache.get(ref)
+    if found is None:
+        data, digest = await _run(_registry(request).envelope, ref)
+        found = cache.put(ref, digest, data)
+    etag = f'"{found.digest}"'
+    headers = {"ETag": etag, "Cache-Control": IMMUTABLE}
     if none_match(request.headers.get("if-none-match"), etag):
         return Response(content=b"", status_code=304, headers=headers)
-    return Response(content=data, media_type="application/json", headers=headers)
+    return Response(content=found.data, media_type="application/json", headers=headers)
 
 
 # --- the log -----------------------------------------------------------------------------------
@@ -588,8 +627,16 @@ async def get_checkpoint(
     # A size outside the log (negative, or past 2^63-1 too) names no checkpoint: 404, from the service.
     size = _int_query(tree_size, "tree_size", high=None)
     count = _int_query(witnessed, "witnessed", high=MAX_WITNESSES)
-    note = await _run(_registry(request).checkpoint, size, witnessed=count)
-    return Response(content=note, media_type="text/plain", headers={"Cache-Control": "no-cache"})
+    registry = _registry(request)
+
+    def read() -> tuple[bytes, int]:
+        return registry.checkpoint(size, witnessed=count), registry.head.size
+
+    note, latest = await _run(read)
+    # The note at a tree size below the latest is fixed for good (a cache may keep it; witness
+    # cosignations that arrive later are then only in fresh answers); the latest one moves on.
+    old = size is not None and size < latest
+    return Response(content=note, media_type="text/plain", headers={"Cache-Control": IMMUTABLE if old else CHECKPOINT_CACHE})
 
 
 @get("/v1/log/key", guards=[read_guard], summary="The log's public key and origin")
@@ -830,6 +877,7 @@ def create_app(data_dir: Path, settings: RegistrySettings | None = None) -> Lite
             app.state.scrub_roots = sorted({str(data_dir), str(data_dir.resolve())}, key=len, reverse=True)
             app.state.admin_secret_hash = hashlib.sha256(secret.encode("utf-8")).digest()
             app.state.scrubber = None
+            app.state.envelopes = EnvelopeCache()
             if settings.witnesses:
                 # Submits each new checkpoint to the witnesses in background threads; stopped (and
                 # joined, each at most one bounded request late) before the registry closes.
@@ -843,6 +891,28 @@ def create_app(data_dir: Path, settings: RegistrySettings | None = None) -> Lite
                 app.state.scrubber = BlobScrubber(registry.blobs, settings.scrub_interval)
                 app.state.scrubber.start()
                 stack.callback(app.state.scrubber.stop)
+            if registry.db.dialect.shared:
+                # Several processes on one PostgreSQL database: the sequencer lease, and keeping up
+                # with the holder's appends (cluster.py). Stopped after the sequencer, so that the
+                # publishes it still holds are logged before the lease is given up.
+                from .cluster import Cluster
+
+                cluster = Cluster(registry, url=settings.public_url or settings.admin_url)
+                registry.cluster = cluster
+                await anyio.to_thread.run_sync(cluster.start)
+                stack.callback(cluster.stop)
+            # Appends verified publishes in batches (sequencer.py). Stopped first on shutdown,
+            # after uvicorn has finished the requests in flight: every queued publish is logged.
+            sequencer: Sequencer[PreparedPublish, Published] = Sequencer(
+                registry.sequence_batch,
+                batch_max_entries=settings.batch_max_entries,
+                batch_wait_ms=settings.batch_wait_ms,
+                max_queue=settings.max_publish_queue,
+                max_queue_bytes=settings.max_publish_queue_bytes,
+            )
+            registry.sequencer = sequencer
+            sequencer.start()
+            stack.callback(sequencer.stop)
             yield
         finally:
             with anyio.CancelScope(shield=True):

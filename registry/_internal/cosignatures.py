@@ -133,7 +133,8 @@ class CosignatureStore:
 
         with self.db.transaction() as conn:
             conn.execute(
-                "INSERT OR REPLACE INTO cosignatures VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO cosignatures VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (tree_size, witness, key_id) DO UPDATE "
+                "SET timestamp = excluded.timestamp, line = excluded.line, created_at = excluded.created_at",
                 [tree_size, key.name, key.key_id.hex(), timestamp, line.decode("utf-8"), now_utc()],
             )
 
@@ -214,6 +215,11 @@ class WitnessCollector:
             while not self._stop.is_set():
                 wake.clear()
                 try:
+                    if not self.registry.sequences:
+                        # Several processes on one database: the sequencer submits its heads, the others wait.
+                        known[0] = None
+                        wake.wait(IDLE_POLL_SECONDS)
+                        continue
                     if known[0] is None:
                         known[0] = self.store.last_size(target.key) or 0
                     # Idle only once *this* witness's line for the head is stored: a 409 may have

@@ -1,6 +1,7 @@
 """The data directory: where the database, blobs, registry key and admin handle live.
 
-    DATA/registry.duckdb        metadata, the log's leaves and checkpoints (DuckDB)
+    DATA/registry.duckdb        metadata, the log's leaves and checkpoints (DuckDB; with
+                                --database the same live in PostgreSQL instead, db.py)
     DATA/registry-key.pem       the registry's Ed25519 checkpoint-signing key (0600)
     DATA/registry-key.pub.pem   its public key, for 'kvgraft-verify log --registry-key'
     DATA/blobs/sha256/<hex>     content-addressed blobs
@@ -9,15 +10,18 @@
     DATA/admin.json             while a server runs: its URL and admin secret (0600)
     DATA/signed-head.json       the last tree head the registry signed, kept outside DuckDB
                                 so that a rolled-back database is refused (see service.py)
+    DATA/.signed-head.lock      flock'ed while signed-head.json is written (it never moves back)
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,7 @@ from kvgraft.verifier import (
     write_atomic,
 )
 
+from .blobconfig import parse_blob_store_url
 from .db import Database
 from .errors import ConfigError, DataDirError
 
@@ -43,6 +48,8 @@ KEY_FILE = "registry-key.pem"
 PUBLIC_KEY_FILE = "registry-key.pub.pem"
 ADMIN_FILE = "admin.json"
 SIGNED_HEAD_FILE = "signed-head.json"
+#: ``flock``ed around each write of the signed head, so processes sharing the directory never move it back.
+SIGNED_HEAD_LOCK_FILE = ".signed-head.lock"
 #: A signed head file is a few hundred bytes; anything much larger is not one.
 _MAX_SIGNED_HEAD_BYTES = 64 * 1024
 
@@ -156,6 +163,47 @@ def check_registry_key(db: Database, public_key: Ed25519PublicKey) -> None:
         )
 
 
+#: The ``meta`` key naming where this log's blobs are: ``DATA_DIRECTORY_STORE`` or an ``s3://`` URL.
+BLOB_STORE_META = "blob_store"
+DATA_DIRECTORY_STORE = "data-directory"
+
+
+def blob_store_name(blob_store: str | None) -> str:
+    """How ``meta`` names the store of ``RegistrySettings.blob_store``: the data directory, or the normalised s3:// URL."""
+    return DATA_DIRECTORY_STORE if blob_store is None else parse_blob_store_url(blob_store).url
+
+
+def check_blob_store(db: Database, blob_store: str | None, *, moved: bool = False) -> None:
+    """Refuse a blob store other than the one this log's blobs are in (``meta``), which the first start records.
+
+    A server started on the wrong store would answer every blob 404 and refuse every publish
+    whose blobs are elsewhere; on a shared database, every process must use one store. With
+    ``moved`` (the operator copied the blobs there) the new store is recorded instead. An
+    endpoint is not part of the name: one bucket may be reached through several.
+    """
+    stored = db.get_meta(BLOB_STORE_META)
+    current = blob_store_name(blob_store)
+    if stored == current:
+        return
+    if stored is not None and not moved:
+        raise blob_store_mismatch(stored, current)
+    db.set_meta(BLOB_STORE_META, current)
+
+
+def blob_store_mismatch(stored: str, current: str) -> DataDirError:
+    """The refusal of store ``current`` for a log whose blobs are in ``stored`` (both as ``blob_store_name`` gives)."""
+    flag = "no --blob-store" if stored == DATA_DIRECTORY_STORE else f"--blob-store {stored[:200]}"
+    return DataDirError(
+        f"this log's blobs are in {_store_words(stored[:200])}, but this command was given {_store_words(current)}",
+        hint=f"pass {flag}; if every blob was copied to the new store, start 'kvgraft serve' once with "
+        "--blob-store-moved to record it (then 'kvgraft fsck' checks that each entry's blobs are there)",
+    )
+
+
+def _store_words(name: str) -> str:
+    return "the data directory's blobs/" if name == DATA_DIRECTORY_STORE else name
+
+
 @dataclass(frozen=True)
 class AdminHandle:
     """How an admin command reaches the running server."""
@@ -220,11 +268,18 @@ class SignedHead:
     checkpoint: bytes
 
 
-def write_signed_head(data: DataDir, head: SignedHead) -> None:
+def write_signed_head(data: DataDir, head: SignedHead) -> bool:
     """Replace ``signed-head.json`` atomically and durably: temp file, fsync, rename, fsync of the directory.
 
     A crash leaves the old file or the new one, never a mix; once this returns, the new head
     survives a power loss. Raises ``OSError`` as the file system reports it.
+
+    Never moves the file back: under an ``flock`` of ``SIGNED_HEAD_LOCK_FILE``, a file already
+    at a larger tree size is kept. Processes sharing the directory (a PostgreSQL deployment)
+    write it concurrently: a sequencer that committed a batch, then paused while another took
+    the lease and appended, or a follower starting with the head it read a moment ago, would
+    otherwise write an older head over a newer one, and a database rolled back to that older
+    size would then pass the start-up check. Returns whether the file was written.
     """
     doc = {
         "origin": head.origin,
@@ -232,15 +287,31 @@ def write_signed_head(data: DataDir, head: SignedHead) -> None:
         "root_hash": head.root_hash.hex(),
         "checkpoint": head.checkpoint.decode("utf-8"),
     }
-    # The one atomic writer; its temp files are the ``.signed-head.json.*.tmp`` removed below.
-    write_atomic(data.signed_head_path, (json.dumps(doc, indent=2) + "\n").encode("utf-8"), 0o600)
+    fd = os.open(data.root / SIGNED_HEAD_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        # Held for one read and one small fsynced write, by registry processes only.
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            current = read_signed_head(data)
+        except DataDirError:
+            current = None  # unreadable: replaced by a good head (the start-up check refuses it otherwise)
+        if current is not None and current.tree_size > head.tree_size:
+            return False
+        # The one atomic writer; its temp files are the ``.signed-head.json.*.tmp`` removed below.
+        write_atomic(data.signed_head_path, (json.dumps(doc, indent=2) + "\n").encode("utf-8"), 0o600)
+        return True
+    finally:
+        os.close(fd)  # releases the lock
 
 
-def remove_stale_head_temps(data: DataDir) -> None:
-    """Delete temp files a crash left behind while writing ``signed-head.json``."""
+def remove_stale_head_temps(data: DataDir, *, min_age: float = 0.0) -> None:
+    """Delete temp files a crash left behind while writing ``signed-head.json``, those at least
+    ``min_age`` seconds old (another process sharing the directory may be writing a fresh one)."""
+    now = time.time()
     for leftover in data.root.glob(f".{SIGNED_HEAD_FILE}.*.tmp"):
         with contextlib.suppress(FileNotFoundError):
-            leftover.unlink()
+            if min_age <= 0 or now - leftover.stat().st_mtime >= min_age:
+                leftover.unlink()
 
 
 def read_signed_head(data: DataDir) -> SignedHead | None:

@@ -267,6 +267,7 @@ def index_statement(statement: Statement) -> IndexedStatement:
         ref = statement.predicate.pre_registration
         refs.append((ref.envelope_digest, "pre_registration"))
         pre_registration = (ref.envelope_digest, ref.log_index)
+    _check_storable(subjects, refs, artifact)
     return IndexedStatement(
         kind=kind,
         predicate_type=statement.predicate_type,
@@ -276,6 +277,25 @@ def index_statement(statement: Statement) -> IndexedStatement:
         artifact=artifact,
         pre_registration=pre_registration,
     )
+
+
+def _check_storable(subjects: list[tuple[str, str]], refs: list[tuple[str, str]], artifact: ArtifactFields | None) -> None:
+    """Refuse text the database cannot store: JSON may escape a lone UTF-16 surrogate (``"\\ud800"``),
+    which no UTF-8 string holds. Checked before the publish is queued, so that it cannot fail
+    the transaction of a whole batch of others' entries."""
+    texts = [t for pair in subjects + refs for t in pair]
+    if artifact is not None:
+        texts += [artifact.model_name, artifact.profile_name, artifact.chain_key, artifact.source_text_digest,
+                  artifact.model_weights_digest, artifact.model_config_digest, artifact.source_text or ""]
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidStatementError(
+                f"the statement holds text with a lone UTF-16 surrogate ({text[max(e.start - 10, 0):e.start]!r} then "
+                f"U+{ord(text[e.start]):04X}), which is not Unicode text",
+                hint="sign a statement whose strings are valid Unicode ('kvgraft capture' writes one)",
+            ) from e
 
 
 def _check_span(start: int, end: int, tokens: int, *, parent: str | None, digest: str) -> None:

@@ -401,6 +401,57 @@ class AdminUnavailableError(DataDirError):
     default_hint = "check that the server is running and that admin.json in the data directory is current"
 
 
+# --- a database shared by several server processes (PostgreSQL; db.py, cluster.py) --------------
+
+
+class RetryLaterError(RegistryError):
+    """A 503 whose ``Retry-After`` says when the same request may succeed (nothing was changed)."""
+
+    status_code = 503
+
+    def __init__(self, message: str, *, retry_after: int, hint: str | None = None, extra: dict[str, Any] | None = None) -> None:
+        super().__init__(message, hint=hint, extra={**(extra or {}), "retry_after": retry_after})
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
+
+
+class PublishQueueFullError(RetryLaterError):
+    """The sequencer's queue of verified publishes is full (or it is shutting down): nothing was logged."""
+
+    slug = "publish-queue-full"
+    title = "Publish queue full"
+    default_hint = "wait for the number of seconds in Retry-After, then post the envelope again (publishing is idempotent)"
+
+
+class DatabaseUnavailableError(RetryLaterError):
+    """The PostgreSQL server cannot be reached (down, restarting, or the connection dropped)."""
+
+    slug = "database-unavailable"
+    title = "Database unavailable"
+    default_hint = "retry after the number of seconds in Retry-After; the operator must check the registry's PostgreSQL server"
+
+
+class DatabaseConflictError(RetryLaterError):
+    """Another server process changed the same rows at the same moment; nothing of this request was kept."""
+
+    slug = "database-conflict"
+    title = "Concurrent change"
+    default_hint = "send the same request again (publishing is idempotent)"
+
+
+class NotSequencerError(RetryLaterError):
+    """This server process does not hold the sequencer lease now: it serves reads, and refuses publishes."""
+
+    slug = "not-sequencer"
+    title = "Not the sequencer"
+    default_hint = (
+        "post the envelope to the sequencing server named in this problem, or again after Retry-After "
+        "(publishing is idempotent; a proxy in front can retry the next server on 503)"
+    )
+
+
 # --- request size and storage (the HTTP edge) ----------------------------------------------------
 
 

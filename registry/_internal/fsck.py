@@ -14,13 +14,17 @@ What it checks, in order:
    kept outside the database (``signed-head.json``) verifies, is not ahead of the database
    (a rollback) and has the same root at its size (a fork).
 
-The database is opened read-only, and held for the whole run, so no server can start and write
+The DuckDB file is opened read-only, and held for the whole run, so no server can start and write
 meanwhile; a running server holds it, and fsck then refuses with a hint (stop the server, or
-let it scrub its blobs in the background with ``--scrub-interval``).
+let it scrub its blobs in the background with ``--scrub-interval``). A PostgreSQL database
+(``--database URL``) is read in one ``REPEATABLE READ READ ONLY`` transaction while its servers
+keep running: every check sees one committed state of the log, and ``signed-head.json`` is read
+before that snapshot is taken, so a head a server saves meanwhile cannot look like a rollback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 from collections.abc import Iterator
@@ -44,11 +48,22 @@ from kvgraft.verifier import (
     verify_checkpoint,
 )
 
-from .blobs import BlobStore
-from .datadir import KEY_FILE, PUBLIC_KEY_FILE, SIGNED_HEAD_FILE, DataDir, read_signed_head
-from .db import DB_FILE
-from .errors import DatabaseLockedError, DataDirError
+from .blobs import BlobStore, open_blob_store
+from .datadir import (
+    BLOB_STORE_META,
+    KEY_FILE,
+    PUBLIC_KEY_FILE,
+    SIGNED_HEAD_FILE,
+    DataDir,
+    SignedHead,
+    blob_store_mismatch,
+    blob_store_name,
+    read_signed_head,
+)
+from .db import DB_FILE, Connection, PostgresConnection, is_postgres_url, redact
+from .errors import DatabaseLockedError, DataDirError, RegistryError
 from .log import hash_leaf
+from .settings import RegistrySettings
 
 #: Envelopes fetched from the database per batch: memory stays bounded by a few of the largest.
 _BATCH = 64
@@ -142,39 +157,44 @@ class FsckReport:
         return "\n".join(lines)
 
 
-def fsck(root: Path, *, quarantine: bool = True) -> FsckReport:
+def fsck(
+    root: Path, *, quarantine: bool = True, settings: RegistrySettings | None = None, database: str | None = None
+) -> FsckReport:
     """Check the data directory ``root`` (see the module docstring); quarantine damaged blobs
-    unless ``quarantine`` is False. Raises ``DataDirError`` when ``root`` is not a registry data
-    directory and ``DatabaseLockedError`` while a server (or an admin command) holds it."""
-    if not (root / DB_FILE).is_file():
-        raise DataDirError(
-            f"{root} holds no registry database ({DB_FILE})",
-            hint="pass the directory given to 'kvgraft serve --data'",
-        )
+    unless ``quarantine`` is False. ``settings`` name the blob store (``blob_store``, ``s3``) when
+    it is not ``root/blobs``; ``database`` the PostgreSQL database when the metadata is there.
+    Raises ``DataDirError`` when ``root`` is not a registry data directory and
+    ``DatabaseLockedError`` while a server (or an admin command) holds its DuckDB file;
+    ``DatabaseUnavailableError`` when PostgreSQL does not answer, and an object store that does
+    not answer raises ``StorageUnavailableError``."""
     report = FsckReport(data=root)
-    conn = open_read_only(root)
-    try:
-        store = BlobStore(root / "blobs")
-        quarantine_dir = root / "blobs" / "quarantine"
-        if quarantine_dir.is_dir():
-            report.previously_quarantined = sorted(p.name for p in quarantine_dir.iterdir())
-        scrubbed = store.scrub(quarantine=quarantine)
-        report.blobs_checked, report.blob_bytes, report.strays = scrubbed.checked, scrubbed.bytes, scrubbed.strays
-        damaged_blobs = set()
-        for b in scrubbed.damaged:
-            damaged_blobs.add(b.hex_digest)
-            report.damaged.append(
-                Damage(
-                    "blob",
-                    f"blob sha256:{b.hex_digest}",
-                    f"its {b.size} bytes hash to sha256:{b.actual}",
-                    b.quarantined_to,
+    try:  # before the snapshot: a head saved after it is taken would look like a rollback
+        saved: SignedHead | DataDirError | None = read_signed_head(DataDir(root))
+    except DataDirError as e:
+        saved = e
+    with read_only_snapshot(root, database) as conn:
+        # The store the log's blobs are in, as the server recorded it: another would be all "missing".
+        stored = conn.execute("SELECT value FROM meta WHERE key = ?", [BLOB_STORE_META]).fetchone()
+        current = blob_store_name((settings or RegistrySettings()).blob_store)
+        if stored is not None and str(stored[0]) != current:
+            raise blob_store_mismatch(str(stored[0]), current)
+        with open_blob_store(root / "blobs", settings or RegistrySettings()) as store:
+            report.previously_quarantined = store.quarantine_names()
+            scrubbed = store.scrub(quarantine=quarantine)
+            report.blobs_checked, report.blob_bytes, report.strays = scrubbed.checked, scrubbed.bytes, scrubbed.strays
+            damaged_blobs = set()
+            for b in scrubbed.damaged:
+                damaged_blobs.add(b.hex_digest)
+                report.damaged.append(
+                    Damage(
+                        "blob",
+                        f"blob sha256:{b.hex_digest}",
+                        f"its {b.size} bytes hash to sha256:{b.actual}",
+                        b.quarantined_to,
+                    )
                 )
-            )
-        leaves = _check_entries(conn, store, damaged_blobs, report)
-        _check_log(conn, root, leaves, report)
-    finally:
-        conn.close()
+            leaves = _check_entries(conn, store, damaged_blobs, report)
+        _check_log(conn, root, leaves, saved, report)
     return report
 
 
@@ -182,6 +202,43 @@ _FSCK_BUSY_HINT = (
     "stop the server and run 'kvgraft fsck' again; while it runs, 'kvgraft serve --scrub-interval "
     "SECONDS' re-hashes its blobs in the background and it re-checks every small blob it serves"
 )
+
+
+@contextlib.contextmanager
+def read_only_snapshot(
+    root: Path, database: str | None, *, command: str = "fsck", busy_hint: str = _FSCK_BUSY_HINT
+) -> Iterator[Connection]:
+    """One unchanging view of the registry's metadata, for ``command``: the data directory's DuckDB
+    file opened read-only (``open_read_only``), or, with ``database``, a ``REPEATABLE READ READ
+    ONLY`` transaction on that PostgreSQL database, whose servers may go on writing meanwhile."""
+    if database is None:
+        if not (root / DB_FILE).is_file():
+            raise DataDirError(f"{root} holds no registry database ({DB_FILE})", hint="pass the directory given to 'kvgraft serve --data'")
+        duck = open_read_only(root, command=command, busy_hint=busy_hint)
+        try:
+            yield duck
+        finally:
+            duck.close()
+        return
+    if not is_postgres_url(database):
+        raise DataDirError(
+            f"--database {redact(database)[:80]!r} is not a PostgreSQL URL",
+            hint="pass postgresql://USER@HOST:PORT/DBNAME, or no --database for the DuckDB file in the data directory",
+        )
+    pg = PostgresConnection(database, application_name="kvgraft-registry-fsck")
+    try:
+        pg.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY").fetchall()
+        try:
+            pg.execute("SELECT count(*) FROM entries").fetchone()
+            pg.execute("SELECT count(*) FROM checkpoints").fetchone()
+        except RegistryError as e:
+            raise DataDirError(
+                f"{pg.location} is not a registry database kvgraft can check: {e.message}",
+                hint="start the registry once with 'kvgraft serve --data DIR --database URL' to initialise it",
+            ) from e
+        yield pg
+    finally:
+        pg.close()  # the transaction wrote nothing: closing ends it
 
 
 def open_read_only(root: Path, *, command: str = "fsck", busy_hint: str = _FSCK_BUSY_HINT) -> duckdb.DuckDBPyConnection:
@@ -215,14 +272,14 @@ def open_read_only(root: Path, *, command: str = "fsck", busy_hint: str = _FSCK_
     return conn
 
 
-def _rows(conn: duckdb.DuckDBPyConnection, sql: str) -> Iterator[tuple[Any, ...]]:
+def _rows(conn: Connection, sql: str) -> Iterator[tuple[Any, ...]]:
     cursor = conn.execute(sql)
     while batch := cursor.fetchmany(_BATCH):
         yield from batch
 
 
 def _check_entries(
-    conn: duckdb.DuckDBPyConnection, store: BlobStore, damaged_blobs: set[str], report: FsckReport
+    conn: Connection, store: BlobStore, damaged_blobs: set[str], report: FsckReport
 ) -> list[bytes]:
     """Check each entry (see the module docstring); return the leaf hashes of the envelopes, in order."""
     recorded: dict[int, set[tuple[str, str]]] = {}
@@ -292,7 +349,7 @@ def _statement_blobs(envelope: bytes) -> tuple[set[tuple[str, str]], list[str]]:
     return subjects, checked
 
 
-def _registry_public_key(root: Path, conn: duckdb.DuckDBPyConnection, report: FsckReport) -> Ed25519PublicKey | None:
+def _registry_public_key(root: Path, conn: Connection, report: FsckReport) -> Ed25519PublicKey | None:
     try:
         if (root / PUBLIC_KEY_FILE).is_file():
             public = require_ed25519(load_public_key(root / PUBLIC_KEY_FILE), f"the registry key {PUBLIC_KEY_FILE}")
@@ -313,7 +370,9 @@ def _registry_public_key(root: Path, conn: duckdb.DuckDBPyConnection, report: Fs
     return public
 
 
-def _check_log(conn: duckdb.DuckDBPyConnection, root: Path, leaves: list[bytes], report: FsckReport) -> None:
+def _check_log(
+    conn: Connection, root: Path, leaves: list[bytes], saved: SignedHead | DataDirError | None, report: FsckReport
+) -> None:
     tree = MerkleTree(leaves)
     report.tree_size = tree.size
     origin_row = conn.execute("SELECT value FROM meta WHERE key = 'origin'").fetchone()
@@ -368,12 +427,12 @@ def _check_log(conn: duckdb.DuckDBPyConnection, root: Path, leaves: list[bytes],
                 f"entries {latest} to {tree.size - 1} are not covered by any signed checkpoint (latest: {latest})",
             )
         )
-    _check_signed_head(conn, root, public, origin, tree, report)
+    _check_signed_head(conn, saved, public, origin, tree, report)
 
 
 def _check_signed_head(
-    conn: duckdb.DuckDBPyConnection,
-    root: Path,
+    conn: Connection,
+    saved: SignedHead | DataDirError | None,
     public: Ed25519PublicKey | None,
     origin: str | None,
     tree: MerkleTree,
@@ -381,11 +440,10 @@ def _check_signed_head(
 ) -> None:
     """Compare the tree head kept outside the database (``signed-head.json``) with the stored log:
     the database must not be behind it, nor differ from it, and the file must not be missing
-    from a database that wrote one."""
-    try:
-        saved = read_signed_head(DataDir(root))
-    except DataDirError as e:
-        report.damaged.append(Damage("log", SIGNED_HEAD_FILE, e.message))
+    from a database that wrote one. ``saved`` is the file as read before the database (or why it
+    could not be read)."""
+    if isinstance(saved, DataDirError):
+        report.damaged.append(Damage("log", SIGNED_HEAD_FILE, saved.message))
         return
     if saved is None:
         if conn.execute("SELECT value FROM meta WHERE key = 'signed_head_file'").fetchone() is not None:

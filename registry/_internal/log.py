@@ -82,8 +82,12 @@ class TransparencyLog:
         return self._tree.append(leaf_hash)
 
     def reset(self, leaf_hashes: list[bytes]) -> None:
-        """Rebuild the tree from the stored leaves (after a failed commit)."""
+        """Rebuild the tree from the stored leaves."""
         self._tree = MerkleTree(leaf_hashes)
+
+    def truncate(self, size: int) -> None:
+        """Forget the leaves from ``size`` on (a batch whose commit failed or was refused); never fails."""
+        self._tree.truncate(size)
 
     def inclusion(self, index: int, tree_size: int | None = None) -> dict[str, Any]:
         """The inclusion proof document of leaf ``index`` in the tree of ``tree_size`` leaves.

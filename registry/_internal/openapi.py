@@ -74,7 +74,7 @@ _STATUS_TEXT = {
     429: "Too many requests for this token",
     431: "The request's headers are too large or too many",
     500: "The registry failed (the server log has the details)",
-    503: "The registry's storage or database is unavailable",
+    503: "The registry's storage or database is unavailable, or its publish queue is full (Retry-After)",
     507: "The registry's disk is full; nothing was stored",
 }
 

@@ -24,7 +24,8 @@ stays short (the browser verifies signatures after releasing it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
@@ -134,6 +135,14 @@ class CheckpointRow(NamedTuple):
     tree_size: int
     root_hash: bytes
     created_at: str
+
+
+class SignedCheckpoint(NamedTuple):
+    """A stored checkpoint: its tree size, root hash and signed note."""
+
+    tree_size: int
+    root_hash: bytes
+    note: bytes
 
 
 class StoredEnvelope(NamedTuple):
@@ -403,6 +412,15 @@ def index_of(db: Database, digest: str) -> int | None:
     return None if log_index is None else int(log_index)
 
 
+def indices_of(db: Database, digests: Iterable[str]) -> dict[str, int]:
+    """The log index of each envelope digest in ``digests`` that is logged, by digest (one statement)."""
+    wanted = list(dict.fromkeys(digests))
+    if not wanted:
+        return {}
+    rows = db.query("SELECT digest, log_index FROM entries WHERE digest IN (SELECT unnest(?::VARCHAR[]))", [wanted])
+    return {str(d): int(i) for d, i in rows}
+
+
 def artifact_entries(db: Database, digest: str) -> list[EntryRow]:
     """Every entry of the KV artifact whose tensors have ``digest``, in log order (the first describes it)."""
     return [_entry_row(v) for v in _select(db, _FULL_COLUMNS, "WHERE artifact_digest = ? ORDER BY log_index", [digest])]
@@ -483,7 +501,14 @@ def exactness_companions(db: Database, log_index: int, limit: int = 6) -> list[S
 # --- lineage -----------------------------------------------------------------------------------
 
 
-def ancestors(db: Database, digest: str, parent: str | None, limit: int) -> Ancestry:
+def ancestors(
+    db: Database,
+    digest: str,
+    parent: str | None,
+    limit: int,
+    *,
+    first_entry: Callable[[str], EntryRow | None] | None = None,
+) -> Ancestry:
     """The ancestors of the artifact ``digest`` whose parent is ``parent``, nearest first, at most ``limit``.
 
     The one lineage walk: publish refuses a chain it cuts, the API and the pages show what it
@@ -491,8 +516,11 @@ def ancestors(db: Database, digest: str, parent: str | None, limit: int) -> Ance
     keeps the digests seen (``digest`` included, so it need not be logged yet), and stops at a
     root, at an ancestor with no entry, at a digest seen before (``"cycle"``, possible in old
     data) or when one more ancestor lies past ``limit`` (``"depth"``): at most ``limit`` + 1
-    indexed lookups, whatever the data.
+    indexed lookups, whatever the data. ``first_entry`` finds an artifact's first entry
+    (default: ``first_artifact_entry``; the sequencer's also sees its batch's entries).
     """
+    if first_entry is None:
+        first_entry = functools.partial(first_artifact_entry, db)
     seen = {digest}
     out: list[Ancestor] = []
     current = parent
@@ -502,7 +530,7 @@ def ancestors(db: Database, digest: str, parent: str | None, limit: int) -> Ance
         if len(out) == limit:
             return Ancestry(out, "depth", current)
         seen.add(current)
-        entry = first_artifact_entry(db, current)
+        entry = first_entry(current)
         out.append(Ancestor(current, entry))
         if entry is None or entry.artifact is None:
             break
@@ -553,9 +581,9 @@ def kinds_by_publisher(db: Database) -> dict[str, dict[str, int]]:
 def artifact_facets(db: Database) -> Facets:
     """The models, profiles and publishers of all artifacts, each distinct and sorted."""
     row = db.query_one(
-        "SELECT list(DISTINCT model_name ORDER BY model_name) AS models, "
-        "list(DISTINCT profile_name ORDER BY profile_name) AS profiles, "
-        "list(DISTINCT publisher ORDER BY publisher) AS publishers FROM entries WHERE kind = 'artifact'"
+        "SELECT array_agg(DISTINCT model_name ORDER BY model_name) AS models, "
+        "array_agg(DISTINCT profile_name ORDER BY profile_name) AS profiles, "
+        "array_agg(DISTINCT publisher ORDER BY publisher) AS publishers FROM entries WHERE kind = 'artifact'"
     )
     models, profiles, publishers = row if row is not None else (None, None, None)
     return Facets(list(models or []), list(profiles or []), list(publishers or []))
@@ -578,6 +606,25 @@ def checkpoints(db: Database, before: int, limit: int) -> Listing[CheckpointRow]
         [before],
     )
     return _listing([CheckpointRow(int(size), bytes(root), str(at)) for size, root, at in rows], limit)
+
+
+def newest_checkpoint(db: Database, max_size: int) -> SignedCheckpoint | None:
+    """The checkpoint of the largest tree size up to ``max_size``, or None."""
+    row = db.query_one(
+        "SELECT tree_size, root_hash, note FROM checkpoints WHERE tree_size <= ? ORDER BY tree_size DESC LIMIT 1", [max_size]
+    )
+    if row is None:
+        return None
+    tree_size, root_hash, note = row
+    return SignedCheckpoint(int(tree_size), bytes(root_hash), bytes(note))
+
+
+def leaf_hashes(db: Database, start: int, end: int) -> list[tuple[int, bytes]]:
+    """``(log_index, leaf_hash)`` of the entries ``start`` to ``end - 1`` that are stored, in log order."""
+    rows = db.query(
+        "SELECT log_index, leaf_hash FROM entries WHERE log_index >= ? AND log_index < ? ORDER BY log_index", [start, end]
+    )
+    return [(int(i), bytes(h)) for i, h in rows]
 
 
 def checkpoint_roots(db: Database, tree_sizes: Iterable[int]) -> dict[int, bytes]:

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from typing import Any
-
-import duckdb
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from .errors import QueryTooLargeError
+
+if TYPE_CHECKING:
+    from .db import Connection  # db.py imports this module for the table's DDL
 
 _WORD = re.compile(r"\w+")
 
@@ -38,21 +40,25 @@ def terms_of(text: str | None) -> list[str]:
     return list(dict.fromkeys(_WORD.findall(unicodedata.normalize("NFKC", text).casefold())))
 
 
-def index_terms(conn: duckdb.DuckDBPyConnection, log_index: int, text: str | None) -> None:
-    """Add the words of entry ``log_index``'s ``text`` to the index (inside the caller's transaction)."""
-    terms = terms_of(text)
+def index_texts(conn: Connection, texts: Iterable[tuple[int, str | None]]) -> None:
+    """Add the words of each (log index, text) to the index (inside the caller's transaction)."""
+    terms: list[str] = []
+    indices: list[int] = []
+    for log_index, text in texts:
+        words = terms_of(text)
+        terms += words
+        indices += [log_index] * len(words)
     if terms:
-        # One statement for all words: executemany would cost one round trip per word.
-        conn.execute("INSERT INTO search_terms SELECT unnest(?::VARCHAR[]), ?", [terms, log_index])
+        # One statement for every word of every text: executemany would cost one round trip per word.
+        conn.execute("INSERT INTO search_terms SELECT unnest(?::VARCHAR[]), unnest(?::BIGINT[])", [terms, indices])
 
 
-def backfill(conn: duckdb.DuckDBPyConnection) -> None:
+def backfill(conn: Connection) -> None:
     """Index every stored artifact's source text (migration 2, for entries logged before the index)."""
     rows = conn.execute(
         "SELECT log_index, source_text FROM entries WHERE source_text IS NOT NULL ORDER BY log_index"
     ).fetchall()
-    for log_index, text in rows:
-        index_terms(conn, int(log_index), str(text))
+    index_texts(conn, ((int(log_index), str(text)) for log_index, text in rows))
 
 
 def query_terms(q: str | None, *, max_terms: int, max_length: int) -> list[str] | None:

@@ -4,19 +4,24 @@ This module holds the write path (publish, append, the signed head) and builds t
 documents; its read methods read through the model the pages share too, ``queries.py`` (only
 the start-up checks of the log read their tables directly).
 
-Every method is blocking and thread-safe; the app calls them from worker threads. Publishing
-verifies the envelope's signatures first, without the database lock (that is the costly
-part, and a stranger's envelope must not stall other requests), then holds the lock from a
-fresh token check to the commit, so a revocation, a concurrent publish or a crash can never
-interleave with it: the entry row, its log leaf and the new signed checkpoint are committed
-together or not at all.
+Every method is blocking and thread-safe; the app calls them from worker threads. A publish is
+two steps (what Trillian's sequencer and Tessera do). ``prepare_publish`` checks everything
+that does not depend on the log's order, without the database lock and concurrently with any
+number of others: the envelope's shape and limits, its signatures against the token's keys
+(remembered lookups, accounts.py), the statement, the blobs it needs, and a parent or
+pre-registration that is already logged. The sequencer (sequencer.py, a thread of the app)
+then hands queued publishes to ``sequence_batch`` in batches, which holds the lock from a
+fresh token check to the commit, in arrival order: a revocation, a duplicate, a parent
+published in the same batch, or a crash can never interleave with it. A batch's entry rows,
+their log leaves and one new signed checkpoint are committed together or not at all.
 
-The log cannot fork. After each commit, and before the publish is answered, the new tree
-head is written (fsynced) to ``signed-head.json`` beside the database. At start the registry
-refuses a database whose tree is smaller than that head, or whose root at that size differs
-(``LogRollbackError``): a lost WAL or a restored older copy would otherwise make it sign a
-second, different tree of a size it already signed. A database ahead of the file (a crash
-between the commit and the file write) is fine: the file is advanced to the database's head.
+The log cannot fork. After each commit, and before any publish of the batch is answered, the
+new tree head is written (fsynced) to ``signed-head.json`` beside the database. At start the
+registry refuses a database whose tree is smaller than that head, or whose root at that size
+differs (``LogRollbackError``): a lost WAL or a restored older copy would otherwise make it
+sign a second, different tree of a size it already signed. A database ahead of the file (a
+crash between the commit and the file write) is fine: the file is advanced to the database's
+head.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ import contextlib
 import hashlib
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 
@@ -44,12 +50,13 @@ from kvgraft.verifier import (
 
 from . import queries, search
 from .accounts import Accounts, TokenInfo
-from .blobs import BlobStore, parse_digest_ref
+from .blobs import BlobStore, open_blob_store, parse_digest_ref
 from .cosignatures import CosignatureStore
 from .datadir import (
     SIGNED_HEAD_FILE,
     DataDir,
     SignedHead,
+    check_blob_store,
     check_registry_key,
     ensure_registry_key,
     prepare,
@@ -58,7 +65,7 @@ from .datadir import (
     resolve_origin,
     write_signed_head,
 )
-from .db import Database, now_utc
+from .db import Connection, Database, insert_rows, now_utc
 from .entries import (
     ArtifactFields,
     IndexedStatement,
@@ -78,15 +85,20 @@ from .errors import (
     MissingBlobsError,
     MissingReferenceError,
     NotFoundError,
+    NotSequencerError,
     RegistryError,
     SignedHeadWriteError,
     TokenRevokedError,
     storage_error,
 )
 from .log import LogHead, TransparencyLog, format_vkey, hash_leaf, verify_checkpoint
-from .queries import ArtifactFilter, EntryRow, Listing, RecordFilter, Seek
+from .queries import Ancestry, ArtifactFilter, EntryRow, Listing, RecordFilter, Seek
 from .ratelimit import RateLimiter
+from .sequencer import Sequencer
 from .settings import RegistrySettings
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
 
 logger = logging.getLogger("kvgraft.registry")
 
@@ -95,6 +107,10 @@ _INDEX_REF = re.compile(r"[0-9]{1,19}", re.ASCII)
 #: The meta key recording that this database has written signed-head.json at least once.
 _HEAD_FILE_META = "signed_head_file"
 _TEXT_PREVIEW = 200
+#: Leaves one catch-up with another process's appends loads at most (about 2 MiB of hashes).
+CATCH_UP_LEAVES = 65536
+#: Seconds after which a temp file of signed-head.json is a crash's leftover, when processes share the data directory.
+_SHARED_TEMP_AGE = 60.0
 
 
 @dataclass(frozen=True)
@@ -111,6 +127,70 @@ class Published:
 
     document: dict[str, Any]
     created: bool
+
+
+@dataclass(frozen=True)
+class PreparedPublish:
+    """A publish checked as far as it can be without the log's order, waiting for the sequencer.
+
+    ``lineage`` is the lineage walk of a child whose parent was logged when it was prepared
+    (None: a root, or a parent not logged yet); ``pre_registered`` whether a replay's
+    pre-registration was found and checked then. ``sequence_batch`` checks the rest.
+    """
+
+    body: bytes
+    digest: str
+    payload_type: str
+    indexed: IndexedStatement
+    token: TokenInfo
+    signers: tuple[KeyId, ...]
+    lineage: Ancestry | None
+    pre_registered: bool
+
+    @property
+    def size(self) -> int:
+        """The envelope's bytes (the sequencer's queue and batches are bounded by them)."""
+        return len(self.body)
+
+
+class _NewEntry:
+    """An accepted publish numbered for appending: its entry row as ``queries`` would read it back."""
+
+    def __init__(self, prepared: PreparedPublish, token: TokenInfo, log_index: int, integrated_at: str) -> None:
+        self.prepared = prepared
+        self.token = token
+        indexed = prepared.indexed
+        self.row = EntryRow(
+            log_index=log_index, digest=prepared.digest, leaf_hash=hash_leaf(prepared.body),
+            payload_type=prepared.payload_type, predicate_type=indexed.predicate_type, kind=indexed.kind,
+            publisher=token.publisher, keyids=prepared.signers, integrated_at=integrated_at, size=len(prepared.body),
+            artifact=indexed.artifact,
+        )
+
+    def entries_row(self) -> tuple[Any, ...]:
+        """The ``entries`` columns, in ``_ENTRY_TYPES`` order."""
+        r, a = self.row, self.row.artifact
+        return (
+            r.log_index, r.digest, r.leaf_hash, self.prepared.body, r.payload_type, r.predicate_type, r.kind,
+            r.publisher, list(r.keyids), self.token.token_id, r.integrated_at,
+            a.digest if a else None, a.model_name if a else None, a.model_weights_digest if a else None,
+            a.model_config_digest if a else None, a.profile_name if a else None, a.parent if a else None,
+            a.chain_key if a else None, a.position_start if a else None, a.position_end if a else None,
+            a.source_text if a else None, a.source_text_digest if a else None,
+        )
+
+
+#: The columns of ``entries`` (migration 1) with their types, as a batch inserts them.
+_ENTRY_TYPES = (
+    ("log_index", "BIGINT"), ("digest", "VARCHAR"), ("leaf_hash", "BLOB"), ("envelope", "BLOB"),
+    ("payload_type", "VARCHAR"), ("predicate_type", "VARCHAR"), ("kind", "VARCHAR"), ("publisher", "VARCHAR"),
+    ("keyids", "VARCHAR[]"), ("token_id", "VARCHAR"), ("integrated_at", "VARCHAR"), ("artifact_digest", "VARCHAR"),
+    ("model_name", "VARCHAR"), ("model_weights_digest", "VARCHAR"), ("model_config_digest", "VARCHAR"),
+    ("profile_name", "VARCHAR"), ("parent", "VARCHAR"), ("chain_key", "VARCHAR"), ("position_start", "BIGINT"),
+    ("position_end", "BIGINT"), ("source_text", "VARCHAR"), ("source_text_digest", "VARCHAR"),
+)
+_SUBJECT_TYPES = (("log_index", "BIGINT"), ("name", "VARCHAR"), ("digest", "VARCHAR"))
+_REF_TYPES = (("log_index", "BIGINT"), ("ref", "VARCHAR"), ("role", "VARCHAR"))
 
 
 #: A cursor is the decimal log index the next page continues after: any such number is a valid
@@ -158,6 +238,12 @@ class Registry:
         #: Called each time a new checkpoint is durable and announced, with the database lock
         #: held (the publish's own): the app wakes its witness collector with it. Must not block.
         self.on_new_head: Callable[[], None] | None = None
+        #: The app's sequencer (sequencer.py), which ``submit`` queues publishes for; None outside
+        #: the app, where each publish is sequenced at once as a batch of one.
+        self.sequencer: Sequencer[PreparedPublish, Published] | None = None
+        #: On a shared (PostgreSQL) database: this process's sequencer lease (cluster.py), set by
+        #: the app; without one this process sequences nothing there.
+        self.cluster: Cluster | None = None
 
     @classmethod
     @contextlib.contextmanager
@@ -169,19 +255,23 @@ class Registry:
         match it (``LogIntegrityError``).
         """
         data = prepare(root)
-        db = Database.open(root, wait_seconds=settings.lock_wait_seconds)
+        # On PostgreSQL this holds LOG_LOCK until released below: no process appends while this
+        # one reads the log to start (db.py).
+        db = Database.open(root, wait_seconds=settings.lock_wait_seconds, database=settings.database)
         started = False
         try:
             # Under the database lock, so two first starts cannot both create a key.
             public = ensure_registry_key(data)
             check_registry_key(db, public)
             origin = resolve_origin(db, settings.origin, public)
-            blobs = BlobStore(data.blobs)
-            # Only now, holding the database lock, is it safe to empty blobs/tmp: a second
-            # process started on a live data directory fails above, before it can delete the
-            # running server's uploads in progress.
-            blobs.prepare()
-            with open_signing_key(data.key_path) as key:
+            # The store settings.blob_store names (DATA/blobs by default), closed with the registry.
+            with open_blob_store(data.blobs, settings) as blobs, open_signing_key(data.key_path) as key:
+                # Only now, holding the database lock, is it safe to empty blobs/tmp: a second
+                # process started on a live data directory fails above, before it can delete the
+                # running server's uploads in progress.
+                blobs.prepare()
+                # Once the store answered (one that cannot be used is never recorded as the log's).
+                check_blob_store(db, settings.blob_store, moved=settings.blob_store_moved)
                 log = TransparencyLog(origin, key, _load_leaves(db))
                 # The database must agree with itself, then with the head saved outside it, before
                 # anything is signed (an empty database gets checkpoint 0 signed here).
@@ -189,7 +279,8 @@ class Registry:
                 saved = _check_signed_head(data, db, log)
                 head = stored if stored is not None else _sign_empty(db, log)
                 _advance_signed_head(data, db, log, head, saved)
-                logger.info("registry %s: log %s at size %d", root, origin, log.size)
+                logger.info("registry %s: log %s at size %d (%s)", root, origin, log.size, db.dialect.name)
+                db.release_log()
                 started = True
                 yield cls(data, db, log, blobs, settings, head)
         finally:
@@ -209,6 +300,8 @@ class Registry:
         cosignature lines stored for it; with ``witnessed``, the newest checkpoint (up to
         ``tree_size`` when given, and then that one) cosigned by at least that many witness keys
         (404 when there is none)."""
+        if tree_size is not None:
+            self._sees(tree_size)
         head = self.head
         if witnessed is not None:
             newest = head.size if tree_size is None else min(tree_size, head.size)
@@ -230,9 +323,12 @@ class Registry:
         # Checked before the query: DuckDB refuses integers past 128 bits with an error of its own.
         note = queries.checkpoint_note(self.db, tree_size) if 0 <= tree_size <= head.size else None
         if note is None:
+            # One checkpoint is signed per batch of publishes, at the size the batch ends at.
             raise NotFoundError(
-                f"no checkpoint was signed at tree size {tree_size} (the log has {head.size} entries)",
-                hint="ask for a size between 0 and the latest checkpoint's",
+                f"no checkpoint was signed at tree size {tree_size} (the log has {head.size} entries; "
+                "a checkpoint is signed for each batch of publishes, at the tree size the batch ends at)",
+                hint="ask for the size of a checkpoint the registry handed out (beside an entry, or the latest); "
+                "inclusion and consistency proofs are served for any size up to the latest",
             )
         return note + self.cosignatures.lines(tree_size)
 
@@ -262,6 +358,8 @@ class Registry:
 
     def _announced(self, tree_size: int | None) -> int:
         # Proofs are for tree sizes a checkpoint was handed out for: never past the saved head.
+        if tree_size is not None:
+            self._sees(tree_size)
         head = self._head.size
         if tree_size is None:
             return head
@@ -272,6 +370,107 @@ class Registry:
             )
         return tree_size
 
+    # --- several processes on one database (PostgreSQL; cluster.py) -----------------------
+
+    @property
+    def sequences(self) -> bool:
+        """Whether this process appends to the log: always on DuckDB; on a shared database while it holds the lease."""
+        return not self.db.dialect.shared or (self.cluster is not None and self.cluster.holds_lease)
+
+    def _sees(self, tree_size: int) -> None:
+        """Catch up first when a read asks past this process's head (another may have appended)."""
+        if tree_size > self._head.size and self.db.dialect.shared:
+            self.catch_up()
+
+    def catch_up(self, *, max_leaves: int = CATCH_UP_LEAVES) -> bool:
+        """Load what other processes appended: up to the newest checkpoint at most ``max_leaves`` ahead.
+
+        A process that does not sequence only (else a no-op). Reads the newest checkpoint within reach, then
+        the leaf hashes up to its size (committed with it, so all there), appends them to the
+        tree, and announces that checkpoint once its root matches the tree and its note
+        verifies with the registry key. Returns whether the head moved. Raises
+        ``LogRollbackError`` when the database no longer holds this process's head (it was
+        rolled back: serving it would fork the log), ``LogIntegrityError`` when its entries
+        do not make the checkpoint's root.
+        """
+        if self.sequences:
+            # The sequencer's head moves with its own batches (announced once saved outside the database).
+            return False
+        with self.db.lock:
+            head, log = self._head, self.log
+            if log.size != head.size:
+                # Leaves past the head (a batch this process appended as sequencer, which failed or was
+                # refused): the database decides which exist, so the tree restarts from its head, as the
+                # database has it (which also checks that the database still holds that tree).
+                log.reset(_load_leaves(self.db)[: head.size])
+                if log.size != head.size or log.root(head.size) != head.root_hash:
+                    raise LogRollbackError(
+                        f"the database no longer holds the tree of size {head.size} this server handed out: "
+                        "it was rolled back or replaced; serving it would fork the log",
+                        hint="restore the database from a backup taken at that tree size or later",
+                    )
+            newest = queries.newest_checkpoint(self.db, log.size + max_leaves)
+            size = -1 if newest is None else newest.tree_size
+            if size < head.size:
+                raise LogRollbackError(
+                    f"the database's newest checkpoint is at tree size {size}, but this server already handed out "
+                    f"size {head.size}: the database was rolled back; serving it would fork the log",
+                    hint="restore the database from a backup taken at that tree size or later",
+                )
+            if newest is None or size == head.size:
+                return False
+            root, note = newest.root_hash, newest.note
+            known = log.size
+            for expected, (index, leaf) in enumerate(queries.leaf_hashes(self.db, known, size), start=known):
+                if index != expected:
+                    self.log.truncate(known)
+                    raise LogIntegrityError(f"the log has no entry {expected} but has entry {index}: entries are missing")
+                log.append(leaf)
+            if log.size != size or log.root(size) != root:
+                self.log.truncate(known)
+                raise LogIntegrityError(f"the entries up to tree size {size} do not make the root of its checkpoint")
+            try:
+                verify_checkpoint(note, log.origin, log.public_key, origin=log.origin)
+            except (LogProofError, MalformedInputError) as e:
+                raise LogIntegrityError(f"the checkpoint at tree size {size} does not verify with the registry key: {e.message}") from e
+            self._head = LogHead(size=size, root_hash=root, note=note)
+        # ``on_new_head`` is not called: witnesses are the sequencer's to submit to (its own batches call it).
+        logger.debug("caught up with the log to tree size %d", size)
+        return True
+
+    def take_over(self) -> int:
+        """Make this process the sequencer (it just took the lease): the whole log, checked; its tree size.
+
+        Under ``LOG_LOCK``, so an append of the previous holder still committing is waited for
+        and seen. Then the head saved outside the database is checked as at start (a database
+        behind it is refused, ``LogRollbackError``) and advanced.
+        """
+        with self.db.lock, self.db.log_held():
+            while self.catch_up():
+                pass
+            saved = _check_signed_head(self.data, self.db, self.log)
+            _advance_signed_head(self.data, self.db, self.log, self._head, saved)
+            return self._head.size
+
+    def _check_lease(self) -> Cluster | None:
+        """On a shared database: this process's lease, or a 503 naming the sequencer when it holds none."""
+        if not self.db.dialect.shared:
+            return None
+        if self.cluster is None:
+            raise NotSequencerError(
+                "this registry was opened without the sequencer lease: only 'kvgraft serve' sequences a shared database",
+                retry_after=1,
+            )
+        if not self.cluster.holds_lease:
+            raise self.cluster.refusal()
+        return self.cluster
+
+    def _guard_append(self, conn: Connection, tree_size: int) -> None:
+        """Inside an append transaction on a shared database: commit only holding the lease, at the newest head."""
+        cluster = self._check_lease()
+        if cluster is not None:
+            cluster.guard(conn, tree_size)
+
     # --- publishing ------------------------------------------------------------------------
 
     def authenticate(self, authorization: str | None) -> TokenInfo:
@@ -281,35 +480,38 @@ class Registry:
         return info
 
     def publish(self, body: bytes, token: TokenInfo) -> Published:
-        """Verify, check and log the envelope ``body`` posted with ``token``.
+        """Verify, check and log the envelope ``body`` posted with ``token``; blocks until it is durable.
 
         Idempotent: the same bytes again return the existing entry with ``created`` False.
+        ``prepare_publish``, then ``submit``: the app runs the two apart, so that no worker
+        thread waits for a batch.
+        """
+        prepared = self.prepare_publish(body, token)
+        if isinstance(prepared, Published):
+            return prepared
+        return self.submit(prepared).result()
+
+    def prepare_publish(self, body: bytes, token: TokenInfo) -> PreparedPublish | Published:
+        """Every check of a publish that does not depend on the log's order, without the database lock.
+
+        Runs concurrently for any number of publishes. In order: the envelope's size, depth
+        and signature count (before a single signature is verified), its signatures against the
+        keys ``token`` is bound to, the statement, that every blob it needs is stored, and what
+        can be read from committed entries only: a child's parent entry, where the child
+        starts, and its lineage walk (cycle, depth); a replay's pre-registration entry. A parent
+        or pre-registration not logged yet is left to the sequencer, which also sees the
+        entries of the same batch. A refusal of an envelope that is already logged answers
+        that entry instead (``Published``, created False), as the sequencer would.
         """
         settings = self.settings
         # Size, depth and signature count are refused before a single signature is verified.
         envelope = decode_envelope(body, max_signatures=settings.max_signatures, max_json_depth=settings.max_json_depth)
         digest = _digest_of(body)
-        # The verification runs without the database lock: each key query below takes it only
-        # for its own statement, so a slow envelope stalls no other request.
+        # Remembered lookups (accounts.py): no database statement, so no wait for a batch's commit.
         bound, registered = self.accounts.bound_keys(token), self.accounts.registered_keys()
         verified, statement = verify_for_token(envelope, bound, registered)
         indexed = index_statement(statement)
-        signers = [k.keyid for k in verified.signers]
-        with self.db.lock:
-            # Re-read the token under the lock: a revocation that committed before this point
-            # refuses the publish, one after it comes after the entry in every sense.
-            current = self.accounts.authenticate_id(token.token_id)
-            if current is None:
-                raise TokenRevokedError(f"token {token.token_id} was revoked")
-            still_bound = {k.keyid for k in self.accounts.bound_keys(current)}
-            unbound = [k for k in signers if k not in still_bound]
-            if unbound:
-                raise KeyNotBoundError(
-                    f"key {unbound[0][:16]}... signed the envelope, but this token is no longer bound to it"
-                )
-            existing = queries.index_of(self.db, digest)
-            if existing is not None:
-                return Published(self._entry_document(existing), created=False)
+        try:
             missing = self.blobs.missing(indexed.required_blobs)
             if missing:
                 shown = ", ".join("sha256:" + h for h in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -317,110 +519,295 @@ class Registry:
                     f"the statement names {len(missing)} blob(s) this registry does not hold: {shown}",
                     extra={"missing": ["sha256:" + h for h in missing]},
                 )
-            if indexed.artifact is not None:
-                self._check_lineage(indexed.artifact)
-            if indexed.pre_registration is not None:
-                self._check_pre_registration(*indexed.pre_registration)
-            index = self._append(body, digest, envelope.payload_type, indexed, current, signers)
-            logger.info("entry %d: %s %s by %s", index, indexed.kind, digest, current.publisher)
-            return Published(self._entry_document(index), created=True)
+            lineage = self._lineage_from_log(indexed.artifact) if indexed.artifact is not None else None
+            ref = indexed.pre_registration
+            pre_registered = False
+            if ref is not None:
+                found = queries.entry_by_digest(self.db, ref[0])
+                if found is not None:
+                    _check_pre_registration(ref, found)
+                    pre_registered = True
+        except RegistryError:
+            # Bytes already logged get their entry before any of these refusals (a quarantined
+            # blob, or a lowered depth limit, refuses only what is new).
+            existing = queries.index_of(self.db, digest)
+            if existing is not None:
+                return Published(self._entry_document(existing), created=False)
+            raise
+        return PreparedPublish(
+            body=body,
+            digest=digest,
+            payload_type=envelope.payload_type,
+            indexed=indexed,
+            token=token,
+            signers=tuple(k.keyid for k in verified.signers),
+            lineage=lineage,
+            pre_registered=pre_registered,
+        )
 
-    def _check_lineage(self, artifact: ArtifactFields) -> None:
-        """Refuse a child that does not join its parent: no parent entry, a gap, a cycle, too deep.
+    def submit(self, prepared: PreparedPublish) -> Future[Published]:
+        """Queue a prepared publish for the sequencer; the future resolves once its batch is durable.
 
-        The parent is described by its first entry (as every lineage view describes it); the
-        walk up from it is ``queries.ancestors``, bounded by ``max_lineage_depth`` and cycle-safe,
-        so even a cycle in old data ends it.
+        Never blocks while the app's sequencer runs (``PublishQueueFullError`` when its queue is
+        full). Without a sequencer (a registry opened outside the app) the publish is sequenced
+        at once, as a batch of one, in the calling thread.
+        """
+        self._check_lease()
+        if self.sequencer is not None:
+            return self.sequencer.submit(prepared)
+        future: Future[Published] = Future()
+        (outcome,) = self.sequence_batch([prepared])
+        if isinstance(outcome, RegistryError):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+        return future
+
+    def sequence_batch(self, batch: Sequence[PreparedPublish]) -> list[Published | RegistryError]:
+        """Check ``batch`` in order against the log and append what passes: one transaction, one checkpoint.
+
+        Holds the database lock throughout. For each publish, in arrival order: its token is
+        read again (a revocation committed before the batch refuses it, 403; one after comes
+        after the entry in every sense) and must still be bound to every key that signed; bytes
+        already logged, before or earlier in this batch, get that entry (created False); a
+        parent or pre-registration not found when the publish was prepared is looked up in the
+        log and among the batch's earlier entries, and a lineage walk that stopped at an
+        unlogged ancestor is walked again the same way. One publish's refusal is its own
+        answer; the others go on. The accepted entries are then appended together
+        (``_append_entries``): if that fails, each of them (and each duplicate of one) fails
+        with the same error and nothing of the batch is in the tree, the database or the head.
+        Returns one outcome per publish, in order.
+        """
+        outcomes: list[Published | RegistryError | None] = [None] * len(batch)
+        accepted: list[tuple[int, _NewEntry]] = []
+        # Duplicates of an entry of this batch: (position in batch, position in accepted).
+        repeats: list[tuple[int, int]] = []
+        # Duplicates of a committed entry: (position in batch, log index), answered once it is announced.
+        earlier: list[tuple[int, int]] = []
+        with self.db.lock:
+            self.accounts.sync()  # a shared database: see changes other processes made to tokens and keys
+            logged = queries.indices_of(self.db, [p.digest for p in batch])
+            integrated_at = now_utc()
+            batch_digests: dict[str, int] = {}
+            batch_artifacts: dict[str, EntryRow] = {}
+            for i, p in enumerate(batch):
+                try:
+                    current = self._token_now(p)
+                    if p.digest in logged:
+                        earlier.append((i, logged[p.digest]))
+                        continue
+                    if p.digest in batch_digests:
+                        repeats.append((i, batch_digests[p.digest]))
+                        continue
+                    self._check_lineage_in_batch(p, batch_artifacts)
+                    if p.indexed.pre_registration is not None and not p.pre_registered:
+                        ref = p.indexed.pre_registration
+                        found = queries.entry_by_digest(self.db, ref[0])
+                        if found is None:
+                            found = next((e.row for _, e in accepted if e.row.digest == ref[0]), None)
+                        _check_pre_registration(ref, found)
+                except RegistryError as e:
+                    outcomes[i] = e
+                    continue
+                entry = _NewEntry(p, current, self.log.size + len(accepted), integrated_at)
+                batch_digests[p.digest] = len(accepted)
+                a = entry.row.artifact
+                if a is not None:
+                    batch_artifacts.setdefault(a.digest, entry.row)
+                accepted.append((i, entry))
+            if accepted:
+                try:
+                    head = self._append_entries([e for _, e in accepted])
+                except RegistryError as e:
+                    for i, _ in accepted:
+                        outcomes[i] = _copy_error(e)
+                    for i, _ in repeats:
+                        outcomes[i] = _copy_error(e)
+                else:
+                    documents = [self._new_entry_document(e, head) for _, e in accepted]
+                    for (i, _), document in zip(accepted, documents, strict=True):
+                        outcomes[i] = Published(document, created=True)
+                    for i, j in repeats:
+                        outcomes[i] = Published(documents[j], created=False)
+            if earlier:
+                self._answer_earlier(earlier, outcomes)
+        done = [o for o in outcomes if o is not None]
+        if len(done) != len(batch):
+            raise RegistryError(f"the sequencer left {len(batch) - len(done)} publish(es) of a batch unanswered")
+        return done
+
+    def _answer_earlier(self, earlier: list[tuple[int, int]], outcomes: list[Published | RegistryError | None]) -> None:
+        """Answer the publishes of bytes already logged with their entries (created False).
+
+        An entry committed by a batch whose head could not be saved is not announced yet: it
+        is announced now (the latest stored checkpoint covers it), which is how posting the
+        same envelope again recovers from ``SignedHeadWriteError``, as its hint says.
+        """
+        try:
+            if max(index for _, index in earlier) >= self._head.size:
+                self._announce_committed()
+        except RegistryError as e:
+            for i, _ in earlier:
+                outcomes[i] = _copy_error(e)
+            return
+        for i, index in earlier:
+            try:
+                outcomes[i] = Published(self._entry_document(index), created=False)
+            except RegistryError as e:
+                outcomes[i] = e
+
+    def _announce_committed(self) -> None:
+        """Save and announce the latest stored checkpoint, which covers entries committed but not announced."""
+        with self.db.lock:
+            head = _stored_head(self.db, self.log)
+            if head is None or head.size <= self._head.size:
+                return
+            try:
+                write_signed_head(self.data, _signed(self.log.origin, head))
+            except OSError as e:
+                what = "the entry was recorded but its signed tree head could not be saved"
+                raise storage_error(e, what) or SignedHeadWriteError(f"{what} ({e.strerror})") from e
+            self._head = head
+        if self.on_new_head is not None:
+            self.on_new_head()
+
+    def _token_now(self, p: PreparedPublish) -> TokenInfo:
+        """The publish's token as it stands now, still bound to every key that signed (403 otherwise)."""
+        current = self.accounts.authenticate_id(p.token.token_id)
+        if current is None:
+            raise TokenRevokedError(f"token {p.token.token_id} was revoked")
+        still_bound = {k.keyid for k in self.accounts.bound_keys(current)}
+        unbound = [k for k in p.signers if k not in still_bound]
+        if unbound:
+            raise KeyNotBoundError(f"key {unbound[0][:16]}... signed the envelope, but this token is no longer bound to it")
+        return current
+
+    def _lineage_from_log(self, artifact: ArtifactFields) -> Ancestry | None:
+        """The lineage checks committed entries decide; None for a root, or when the parent has no entry yet.
+
+        Refuses (``InvalidLineageError``) a child that does not start where its parent's first
+        entry ends, or whose walk up from it cycles or runs past ``max_lineage_depth``. The
+        parent's first entry never changes once logged (later entries have larger indices),
+        nor do its ancestors', so this holds when the publish is sequenced, unless the walk
+        stopped at an ancestor without an entry (``_check_lineage_in_batch`` walks on then).
         """
         if artifact.parent is None:
+            return None
+        with self.db.lock:  # the parent and the walk from it read one state of the log
+            parent = queries.first_artifact_entry(self.db, artifact.parent)
+            if parent is None or parent.artifact is None:
+                return None
+            _check_join(artifact, parent)
+            walk = queries.ancestors(self.db, artifact.digest, artifact.parent, self.settings.max_lineage_depth)
+        _check_walk(walk, self.settings.max_lineage_depth)
+        return walk
+
+    def _check_lineage_in_batch(self, p: PreparedPublish, batch_artifacts: dict[str, EntryRow]) -> None:
+        """Refuse a child that does not join its parent, seeing the log and the batch's earlier entries.
+
+        Needed only when the parent had no entry when the publish was prepared (it may be in an
+        earlier batch since, or earlier in this one), or the walk from it stopped at an ancestor
+        without one. Each artifact is described by its first entry, logged before any of the
+        batch's; the walk is ``queries.ancestors``, bounded and cycle-safe as at prepare.
+        """
+        artifact = p.indexed.artifact
+        if artifact is None or artifact.parent is None:
             return
-        limit = self.settings.max_lineage_depth
-        parent = queries.first_artifact_entry(self.db, artifact.parent)
+        walk = p.lineage
+        if walk is not None and not _stops_unlogged(walk):
+            return
+
+        def first_entry(digest: str) -> EntryRow | None:
+            return queries.first_artifact_entry(self.db, digest) or batch_artifacts.get(digest)
+
+        parent = first_entry(artifact.parent)
         if parent is None or parent.artifact is None:
             raise InvalidLineageError(
                 f"the artifact's parent {artifact.parent} has no entry in this log",
                 hint="publish the parent artifact's statement first, then its children",
             )
-        parent_end = parent.artifact.position_end
-        if artifact.position_start != parent_end:
-            raise InvalidLineageError(
-                f"the artifact starts at position {artifact.position_start}, but its parent {artifact.parent} "
-                f"ends at position {parent_end}: a child must start where its parent ends"
-            )
-        walk = queries.ancestors(self.db, artifact.digest, artifact.parent, limit)
-        if walk.cut == "cycle":
-            raise InvalidLineageError(
-                f"the artifact's parent chain reaches {walk.cut_at} twice: publishing it would make a lineage cycle"
-            )
-        if walk.cut == "depth":
-            raise InvalidLineageError(
-                f"the artifact's parent chain is more than {limit} artifacts deep",
-                hint=f"start a new root artifact; lineages here are at most {limit} deep (max_lineage_depth)",
-                extra={"limit": limit},
-            )
-
-    def _check_pre_registration(self, digest: str, log_index: int) -> None:
-        found = queries.entry_by_digest(self.db, digest)
-        if found is None:
-            raise MissingReferenceError(f"the replay answers to pre-registration {digest}, which is not in this log")
-        if found.log_index != log_index or found.kind != "pre-registration":
-            raise InvalidStatementError(
-                f"the replay says its pre-registration {digest} is entry {log_index}, but that digest is "
-                f"entry {found.log_index} ({found.kind})",
-                hint="point the replay at the pre-registration's real log index",
-            )
+        _check_join(artifact, parent)
+        limit = self.settings.max_lineage_depth
+        _check_walk(queries.ancestors(self.db, artifact.digest, artifact.parent, limit, first_entry=first_entry), limit)
 
     def _append(
         self, body: bytes, digest: str, payload_type: str, indexed: IndexedStatement, token: TokenInfo, keyids: list[KeyId]
     ) -> int:
-        leaf = hash_leaf(body)
-        index = self.log.append(leaf)
-        try:
-            head = self.log.sign()
-            a = indexed.artifact
-            with self.db.transaction() as conn:
-                conn.execute(
-                    "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    [
-                        index, digest, leaf, body, payload_type, indexed.predicate_type, indexed.kind,
-                        token.publisher, keyids, token.token_id, now_utc(),
-                        a.digest if a else None, a.model_name if a else None, a.model_weights_digest if a else None,
-                        a.model_config_digest if a else None, a.profile_name if a else None, a.parent if a else None,
-                        a.chain_key if a else None, a.position_start if a else None, a.position_end if a else None,
-                        a.source_text if a else None, a.source_text_digest if a else None,
-                    ],
-                )
-                for name, subject_digest in indexed.subjects:
-                    conn.execute("INSERT INTO entry_subjects VALUES (?, ?, ?)", [index, name, subject_digest])
-                for ref, role in indexed.refs:
-                    conn.execute("INSERT INTO entry_refs VALUES (?, ?, ?)", [index, ref, role])
-                if a is not None:
-                    search.index_terms(conn, index, a.source_text)
-                conn.execute(
-                    "INSERT INTO checkpoints VALUES (?, ?, ?, ?)", [head.size, head.root_hash, head.note, now_utc()]
-                )
-        except BaseException as e:
-            # The commit failed: the database has neither the entry nor the checkpoint, so the
-            # in-memory tree must forget the leaf too.
-            self.log.reset(_load_leaves(self.db))
-            if isinstance(e, duckdb.Error):
-                raise storage_error(e, "the entry could not be recorded") or RegistryError(
-                    "the entry could not be recorded: the database refused it"
-                ) from e
-            raise
-        # Committed. The head is announced (to readers, and to this publisher) only once it is
-        # durable outside the database too; if that write fails the entry stays recorded but
-        # unannounced, and the next publish (or restart) announces it with its successor.
-        try:
-            write_signed_head(self.data, _signed(self.log.origin, head))
-        except OSError as e:
-            logger.error("entry %d committed, but %s could not be written: %s", index, SIGNED_HEAD_FILE, e)
-            what = "the entry was recorded but its signed tree head could not be saved"
-            raise storage_error(e, what) or SignedHeadWriteError(f"{what} ({e.strerror})") from e
-        self._head = head
+        """Append one entry without any check (what the sequencer does for a batch of one); its index."""
+        prepared = PreparedPublish(body, digest, payload_type, indexed, token, tuple(keyids), None, False)
+        with self.db.lock:
+            entry = _NewEntry(prepared, token, self.log.size, now_utc())
+            self._append_entries([entry])
+        return entry.row.log_index
+
+    def _append_entries(self, entries: Sequence[_NewEntry]) -> LogHead:
+        """Append ``entries`` (numbered from the tree's size on) and sign, commit and announce one checkpoint.
+
+        Under the database lock. The leaves join the in-memory tree, the checkpoint of the new
+        size is signed, and the entry rows, their subjects, references and search words and the
+        checkpoint are one transaction: all or nothing. If it fails the tree forgets the leaves
+        (rebuilt from the database, the record). Once committed, the head is written (fsynced) to
+        ``signed-head.json``, and only then announced (``head``, ``on_new_head``) and answered.
+        """
+        with self.db.lock:
+            first = self.log.size
+            for n, entry in enumerate(entries):
+                if entry.row.log_index != first + n:
+                    raise RegistryError(f"entry {entry.row.log_index} was numbered out of turn (the log has {first + n})")
+                self.log.append(entry.row.leaf_hash)
+            try:
+                head = self.log.sign()
+                with self.db.transaction() as conn:
+                    self._guard_append(conn, first)
+                    insert_rows(conn, "entries", _ENTRY_TYPES, [e.entries_row() for e in entries])
+                    insert_rows(conn, "entry_subjects", _SUBJECT_TYPES,
+                                [(e.row.log_index, name, d) for e in entries for name, d in e.prepared.indexed.subjects])
+                    insert_rows(conn, "entry_refs", _REF_TYPES,
+                                [(e.row.log_index, ref, role) for e in entries for ref, role in e.prepared.indexed.refs])
+                    search.index_texts(
+                        conn, [(e.row.log_index, e.row.artifact.source_text) for e in entries if e.row.artifact is not None]
+                    )
+                    conn.execute(
+                        "INSERT INTO checkpoints VALUES (?, ?, ?, ?)", [head.size, head.root_hash, head.note, now_utc()]
+                    )
+            except BaseException as e:
+                # The commit failed: the database has neither the entries nor the checkpoint, so the
+                # in-memory tree forgets the leaves too. In memory, so it cannot fail as a reload from
+                # a database that just failed could (and leave leaves no checkpoint may ever cover).
+                self.log.truncate(first)
+                what = "the entry could not be recorded" if len(entries) == 1 else f"the {len(entries)} entries of this batch could not be recorded"
+                if isinstance(e, duckdb.Error):
+                    raise storage_error(e, what) or RegistryError(f"{what}: the database refused them") from e
+                raise
+            # Committed. The head is announced (to readers, and to these publishers) only once it is
+            # durable outside the database too; if that write fails the entries stay recorded but
+            # unannounced, and the next batch (or restart) announces them with its successor.
+            try:
+                write_signed_head(self.data, _signed(self.log.origin, head))
+            except OSError as e:
+                logger.error("entries %d to %d committed, but %s could not be written: %s", first, head.size - 1, SIGNED_HEAD_FILE, e)
+                what = "the entry was recorded but its signed tree head could not be saved"
+                raise storage_error(e, what) or SignedHeadWriteError(f"{what} ({e.strerror})") from e
+            self._head = head
+        for entry in entries:
+            logger.info("entry %d: %s %s by %s", entry.row.log_index, entry.row.kind, entry.row.digest, entry.row.publisher)
+        logger.debug("batch of %d entries: tree size %d", len(entries), head.size)
         if self.on_new_head is not None:
             self.on_new_head()
-        return index
+        return head
+
+    def _new_entry_document(self, entry: _NewEntry, head: LogHead) -> dict[str, Any]:
+        """The answer to a publish just appended: what ``_entry_document`` reads back, from memory.
+
+        A checkpoint announced a moment ago has no witness cosignature yet (they are stored under
+        the lock this batch still holds), so its note is served bare.
+        """
+        subjects = [{"name": n, "digest": d} for n, d in sorted(entry.prepared.indexed.subjects)]
+        return {
+            "entry": _entry_meta(entry.row, subjects),
+            "inclusion_proof": self.log.inclusion(entry.row.log_index, head.size),
+            "checkpoint": head.note.decode("utf-8"),
+        }
 
     # --- reading entries -------------------------------------------------------------------
 
@@ -433,6 +820,7 @@ class Registry:
         with self.db.lock:
             if _INDEX_REF.fullmatch(ref):
                 index = int(ref)
+                self._sees(index + 1)
                 size = self._head.size
                 if index >= size:
                     raise EntryNotFoundError(f"the log has {size} entries; there is no entry {index}")
@@ -442,6 +830,7 @@ class Registry:
                 found = queries.index_of(self.db, ref)
                 if found is None:
                     raise EntryNotFoundError(f"no entry has digest {ref}")
+                self._sees(found + 1)
                 return found
         raise BadRequestError(
             f"{ref[:80]!r} names no entry",
@@ -562,6 +951,58 @@ class Registry:
 # --- helpers -----------------------------------------------------------------------------------
 
 
+def _check_join(artifact: ArtifactFields, parent: EntryRow) -> None:
+    """A child starts where its parent's first entry ends (``InvalidLineageError`` otherwise)."""
+    parent_end = parent.artifact.position_end if parent.artifact is not None else None
+    if artifact.position_start != parent_end:
+        raise InvalidLineageError(
+            f"the artifact starts at position {artifact.position_start}, but its parent {artifact.parent} "
+            f"ends at position {parent_end}: a child must start where its parent ends"
+        )
+
+
+def _check_walk(walk: Ancestry, limit: int) -> None:
+    """Refuse a lineage walk that cycles or runs past ``limit`` (``InvalidLineageError``)."""
+    if walk.cut == "cycle":
+        raise InvalidLineageError(
+            f"the artifact's parent chain reaches {walk.cut_at} twice: publishing it would make a lineage cycle"
+        )
+    if walk.cut == "depth":
+        raise InvalidLineageError(
+            f"the artifact's parent chain is more than {limit} artifacts deep",
+            hint=f"start a new root artifact; lineages here are at most {limit} deep (max_lineage_depth)",
+            extra={"limit": limit},
+        )
+
+
+def _stops_unlogged(walk: Ancestry) -> bool:
+    """True when a walk ended at an ancestor without an entry (one may be logged later)."""
+    return walk.cut is None and bool(walk.ancestors) and walk.ancestors[-1].entry is None
+
+
+def _check_pre_registration(ref: tuple[str, int], found: EntryRow | None) -> None:
+    """A replay's pre-registration ``ref`` (entry digest, log index) is ``found``, at that index."""
+    digest, log_index = ref
+    if found is None:
+        raise MissingReferenceError(f"the replay answers to pre-registration {digest}, which is not in this log")
+    if found.log_index != log_index or found.kind != "pre-registration":
+        raise InvalidStatementError(
+            f"the replay says its pre-registration {digest} is entry {log_index}, but that digest is "
+            f"entry {found.log_index} ({found.kind})",
+            hint="point the replay at the pre-registration's real log index",
+        )
+
+
+def _copy_error(e: RegistryError) -> RegistryError:
+    """A fresh exception like ``e`` for each publish it fails (one instance raised in many threads
+    would gather their tracebacks)."""
+    copy = RegistryError.__new__(type(e))
+    copy.__dict__.update(e.__dict__)
+    copy.args = e.args
+    copy.__cause__ = e.__cause__
+    return copy
+
+
 def _load_leaves(db: Database) -> list[bytes]:
     rows = db.query("SELECT log_index, leaf_hash FROM entries ORDER BY log_index")
     leaves = []
@@ -611,11 +1052,19 @@ def _check_signed_head(data: DataDir, db: Database, log: TransparencyLog) -> Sig
     before heads were saved). Raises ``LogRollbackError`` (one line: what happened, how to
     recover) when the database's tree is smaller than the saved head, its root at that size
     differs, or the file was removed from a database that had written one.
+
+    A shared (PostgreSQL) database: other processes may be writing the file of a data directory
+    they share at this moment (their temp files are left alone while fresh), and a data
+    directory new to the database adopts the database's head (each process guards the head it
+    serves, the sequencer the file it writes; docs/registry.md).
     """
-    remove_stale_head_temps(data)
+    shared = db.dialect.shared
+    remove_stale_head_temps(data, min_age=_SHARED_TEMP_AGE if shared else 0.0)
     saved = read_signed_head(data)
     if saved is None:
-        if db.get_meta(_HEAD_FILE_META) is not None:
+        if shared:
+            logger.warning("%s: no %s yet; adopting the database's head", data.root, SIGNED_HEAD_FILE)
+        elif db.get_meta(_HEAD_FILE_META) is not None:
             raise LogRollbackError(
                 f"{SIGNED_HEAD_FILE} is missing from the data directory, but this database has written one: "
                 "without it the registry cannot tell whether the database was rolled back",
@@ -669,7 +1118,7 @@ def _advance_signed_head(
         # Recorded only after the file exists, and checkpointed into the database file, so a
         # later start can tell "never written" (an upgrade) from "deleted".
         db.set_meta(_HEAD_FILE_META, SIGNED_HEAD_FILE)
-        db.query("CHECKPOINT")
+        db.checkpoint()
 
 
 def _statement_json(envelope_bytes: bytes) -> Any:

@@ -1,8 +1,10 @@
-"""The registry's settings: limits, read access, the log's origin."""
+"""The registry's settings: limits, read access, the log's origin, the blob store."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .blobconfig import S3Settings, parse_blob_store_url
 
 #: 1 TiB: well above any KV artifact; operators lower it with --max-blob-bytes.
 DEFAULT_MAX_BLOB_BYTES = 1 << 40
@@ -32,6 +34,16 @@ DEFAULT_VERIFY_CACHE_ENTRIES = 4096
 DEFAULT_VERIFY_ON_READ_BYTES = 1024 * 1024
 #: Seconds one add-checkpoint request to a witness may take (it answers in milliseconds when up).
 DEFAULT_WITNESS_TIMEOUT = 10.0
+#: Publishes appended in one batch at most (one transaction, one signed checkpoint): what one
+#: level-0 c2sp.org/tlog-tiles tile holds.
+DEFAULT_BATCH_MAX_ENTRIES = 256
+#: Milliseconds the sequencer waits, after the first publish of a batch, for more on their way to join it.
+DEFAULT_BATCH_WAIT_MS = 5.0
+#: Verified publishes waiting for the sequencer, at most, by count and by envelope bytes.
+DEFAULT_MAX_PUBLISH_QUEUE = 1024
+DEFAULT_MAX_PUBLISH_QUEUE_BYTES = 256 * 1024 * 1024
+#: URL schemes of a PostgreSQL metadata database (libpq's two spellings; db.py).
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,27 @@ class RegistrySettings:
     witnesses: tuple[tuple[str, str], ...] = ()
     #: Seconds one add-checkpoint request to a witness may take.
     witness_timeout: float = DEFAULT_WITNESS_TIMEOUT
+    #: Publishes appended per batch at most (sequencer.py): one transaction and one checkpoint each.
+    batch_max_entries: int = DEFAULT_BATCH_MAX_ENTRIES
+    #: Milliseconds a batch waits, after its first, for publishes being read or verified (0: only
+    #: those already queued; with none on its way a batch never waits).
+    batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS
+    #: Verified publishes queued for the sequencer at most, and their envelopes' bytes; past
+    #: either, a publish is answered 503 with Retry-After.
+    max_publish_queue: int = DEFAULT_MAX_PUBLISH_QUEUE
+    max_publish_queue_bytes: int = DEFAULT_MAX_PUBLISH_QUEUE_BYTES
+    #: Where blobs live: None for the data directory's ``blobs/`` (the default), or an
+    #: S3-compatible object store, ``s3://BUCKET[/PREFIX]`` (blobconfig.py, s3blobs.py).
+    blob_store: str | None = None
+    #: The operator copied every blob to ``blob_store`` (or, with None, into the data directory):
+    #: record it as the log's blob store instead of refusing a start on another one (datadir.py).
+    blob_store_moved: bool = False
+    #: How to reach that object store (endpoint, credentials, part size, timeouts, retries).
+    s3: S3Settings = S3Settings()
+    #: The metadata database: None for DuckDB's ``DATA/registry.duckdb`` (the default), or a
+    #: PostgreSQL URL (``postgresql://USER@HOST:PORT/DBNAME``) that several server processes
+    #: share, one of them sequencing the log at a time (db.py, cluster.py).
+    database: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -100,6 +133,9 @@ class RegistrySettings:
             "max_lineage_depth",
             "max_json_depth",
             "verify_cache_entries",
+            "batch_max_entries",
+            "max_publish_queue",
+            "max_publish_queue_bytes",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -118,5 +154,15 @@ class RegistrySettings:
             raise ValueError("RegistrySettings.witnesses must be a tuple of (vkey, url) string pairs")
         if isinstance(self.witness_timeout, bool) or not isinstance(self.witness_timeout, int | float) or not 0 < self.witness_timeout < float("inf"):
             raise ValueError(f"RegistrySettings.witness_timeout must be a finite number > 0, got {self.witness_timeout!r}")
+        if isinstance(self.batch_wait_ms, bool) or not isinstance(self.batch_wait_ms, int | float) or not 0 <= self.batch_wait_ms <= 1000:
+            raise ValueError(f"RegistrySettings.batch_wait_ms must be a number from 0 to 1000, got {self.batch_wait_ms!r}")
         if self.default_page_limit > self.max_page_limit:
             raise ValueError("RegistrySettings.default_page_limit must not exceed max_page_limit")
+        if self.blob_store is not None:
+            parse_blob_store_url(self.blob_store)
+        if not isinstance(self.blob_store_moved, bool):
+            raise ValueError(f"RegistrySettings.blob_store_moved must be a bool, got {self.blob_store_moved!r}")
+        if self.database is not None and not (isinstance(self.database, str) and self.database.startswith(POSTGRES_SCHEMES)):
+            raise ValueError("RegistrySettings.database must be a postgresql:// URL or None (the DuckDB file)")
+        if not isinstance(self.s3, S3Settings):
+            raise ValueError(f"RegistrySettings.s3 must be an S3Settings, got {self.s3!r}")

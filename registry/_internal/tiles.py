@@ -7,8 +7,9 @@ Served (``app.py``; docs/registry.md, "The log as tiles")::
     GET /tlog/tile/entries/<N>[.p/<W>]        entry bundles, from the entries table
 
 A tile exists once the announced tree (the latest signed checkpoint) is large enough to have it
-(``Tile.min_tree_size``): the registry signed a checkpoint at every size, so every partial tile
-any of them produced is still served, as the spec requires; one wider than the tree is 404. Full
+(``Tile.min_tree_size``): the partial tiles of every size up to it are served, so every partial
+tile any checkpoint produced (one per batch of publishes) still is, as the spec requires; one
+wider than the tree is 404. Full
 tiles and bundles never change (``Cache-Control: ... immutable``); partial ones get a short
 max-age. Entry bundles hold the envelopes exactly as logged; an envelope over 65,535 bytes
 cannot be length-prefixed with a uint16, so the bundle that would hold it is 404
@@ -64,7 +65,7 @@ from kvgraft.verifier import (
 from . import queries
 from .cosignatures import CosignatureStore
 from .datadir import PUBLIC_KEY_FILE
-from .db import DB_FILE, MIGRATIONS, Database
+from .db import DB_FILE, DUCKDB, MIGRATIONS, POSTGRES, Database, redact
 from .errors import DataDirError, EntryTooLargeForTilesError, LogIntegrityError, TileNotFoundError
 from .ranges import none_match
 
@@ -223,25 +224,21 @@ _BUSY_HINT = (
 )
 
 
-def export_tiles(data: Path, out: Path) -> ExportReport:
+def export_tiles(data: Path, out: Path, *, database: str | None = None) -> ExportReport:
     """Write the log of registry data directory ``data`` to ``out`` as tlog-tiles (see the module docstring).
 
-    Raises ``DataDirError`` (``DatabaseLockedError`` while a server holds the database) when
-    ``data`` cannot be read, ``LogIntegrityError`` when ``out`` holds another log's files or a
-    newer checkpoint, or the stored log does not verify.
+    With ``database`` the metadata is read from that PostgreSQL database, in one read-only
+    snapshot while its servers keep running. Raises ``DataDirError`` (``DatabaseLockedError``
+    while a server holds the DuckDB file) when ``data`` cannot be read, ``LogIntegrityError``
+    when ``out`` holds another log's files or a newer checkpoint, or the stored log does not verify.
     """
-    from .fsck import open_read_only
+    from .fsck import read_only_snapshot
 
-    if not (data / DB_FILE).is_file():
-        raise DataDirError(f"{data} holds no registry database ({DB_FILE})", hint="pass the directory given to 'kvgraft serve --data'")
-    public_key = _registry_key(data)
-    conn = open_read_only(data, command="kvgraft tiles export", busy_hint=_BUSY_HINT)
-    try:
-        db = Database(data / DB_FILE, conn)
+    with read_only_snapshot(data, database, command="kvgraft tiles export", busy_hint=_BUSY_HINT) as conn:
+        public_key = _registry_key(data)
+        db = Database(data / DB_FILE if database is None else redact(database), conn, DUCKDB if database is None else POSTGRES)
         _check_schema(db)
         return _Exporter(db, public_key, out).run()
-    finally:
-        conn.close()
 
 
 def _check_schema(db: Database) -> None:

@@ -767,7 +767,13 @@ def log_context(
         listing = queries.checkpoints(registry.db, _before(before), PAGE_SIZE)
         size = head.size
         new_size = size if new is None else new
-        old_size = (new_size // 2 if new_size >= 2 else 0) if old is None else old
+        if old is None:
+            # By default the newest checkpoint at or below half the new size: checkpoints are
+            # signed per batch, so the commands below can fetch it (there is always one at 0).
+            below_half = queries.checkpoints(registry.db, min(new_size, size) // 2 + 1, 1).rows
+            old_size = below_half[0].tree_size if below_half else 0
+        else:
+            old_size = old
         if not 0 <= old_size <= new_size <= size:
             raise BadRequestError(
                 f"a consistency proof needs 0 <= old <= new <= {size}; got old={old_size}, new={new_size}",

@@ -82,7 +82,8 @@ def mirror(
     """Copy every entry of ``source`` that ``target`` lacks, with its blobs, in log order.
 
     The target must be a mirror of the source so far: its log's first entries must be the
-    source's (checked by comparing signed roots) or ``MirrorDivergedError``. The source's size
+    source's (the larger log's consistency proof from the smaller one's size, verified against
+    both signed heads) or ``MirrorDivergedError``. The source's size
     N is fixed when the mirror begins; entries [target size, N) are copied. Each envelope is
     posted byte for byte as the source stored it (checked against the source's digest and leaf
     hash), after every blob it names: blobs the target holds are skipped, others stream from a
@@ -106,13 +107,17 @@ def mirror(
     common = min(n, start)
     if common:
         # The target must hold exactly the source's first entries, else copying would misplace them.
-        source_common, _ = source.signed_head(source_key, common)
-        target_common, _ = target.signed_head(target_key, common)
-        if source_common.root_hash != target_common.root_hash:
+        # Proved from the two signed heads: the larger log's consistency proof from the smaller
+        # one's size, against both roots (a registry signs a checkpoint per batch of publishes, so
+        # neither need have one at the other's size, e.g. after an interrupted mirror).
+        smaller, larger, prover = (target_head, source_head, source) if start <= n else (source_head, target_head, target)
+        try:
+            prove_consistency(prover, smaller.size, smaller.root_hash, larger, f"{prover.url} at size {larger.size}")
+        except EvidenceError as e:
             raise MirrorDivergedError(
                 f"the first {common} entries of {target.url} are not those of {source.url} "
-                f"(roots {target_common.root_hash.hex()[:16]} and {source_common.root_hash.hex()[:16]} differ)"
-            )
+                f"(root {smaller.root_hash.hex()[:16]} at size {common} is not a prefix of the larger log: {e.message})"
+            ) from e
     notes = []
     if start > n:
         notes.append(f"the target already holds {start - n} entries past the source's {n}")

@@ -33,8 +33,14 @@ class KvgraftError(Exception):
         ├── EngineError                           kvgraft.engine: models, artifacts, grafts, library
         │   ├── UnknownModelError, ModelNotInstalledError, ModelFileError, KvFileError,
         │   │   ProfileMismatchError, InputTextError, LibraryError, EvaluationError,
-        │   │   NoTrustedKeysError, TrustOptionsError, ScheduleError, KernelError
-        │   └── ArtifactError ── ArtifactSignatureError, UnsafeTensorError, LineageError
+        │   │   NoTrustedKeysError, TrustOptionsError, ScheduleError, KernelError,
+        │   │   ContextWindowError (an InputTextError), EngineServerConfigError
+        │   ├── ArtifactError ── ArtifactSignatureError, UnsafeTensorError, LineageError
+        │   └── EngineServerError                 kvgraft engine serve (HTTP status on the class)
+        │       ├── InvalidRequestError ── PromptTooLongError
+        │       └── RequestTooLargeError, ModelNotServedError, RouteNotFoundError, MethodNotServedError,
+        │           QueueFullError, RequestTimeoutError, ServerStoppingError, ArtifactRefusedError,
+        │           ClientClosedRequestError
         ├── RegistryError                         kvgraft.registry service (HTTP status on the class)
         │   ├── BadRequestError, NotFoundError, ... (registry/_internal/errors.py)
         │   └── DataDirError ── LogIntegrityError ── LogRollbackError, ...

@@ -1,4 +1,5 @@
-"""Registry test fixtures: keys, signed statements, an in-process app, and a real server process."""
+"""Registry test fixtures: keys, signed statements, an in-process app, and a real server process
+(``KvgraftProcess`` and ``free_port`` are tests/processes.py's, re-exported for the registry's tests)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,10 @@ import contextlib
 import hashlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,8 @@ from kvgraft.verifier import (
     save_public_key,
     sign_statement,
 )
+
+from ..processes import KvgraftProcess, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -267,20 +268,43 @@ def harness(data: Path, keys: dict[str, Key], **settings: Any) -> Iterator[Harne
         yield h
 
 
+# --- the metadata database: DuckDB (the default) or a real PostgreSQL server ------------------
+
+#: The backends the registry suites run against (``backend``); a module pins one by defining its own fixture.
+BACKENDS = ("duckdb", "postgres")
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Any]:
+    """One real PostgreSQL server for the session (tests/registry/postgres.py); each test makes its own database."""
+    from tests.registry.postgres import postgres_server
+
+    with postgres_server() as server:
+        yield server
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Which metadata database a registry fixture uses."""
+    return str(request.param)
+
+
 @pytest.fixture
-def reg(tmp_path: Path, keys: dict[str, Key]) -> Iterator[Harness]:
-    """An in-process registry with tokens for alice (alice's key) and bob (bob's key)."""
-    with harness(tmp_path / "data", keys) as h:
+def database(backend: str, request: pytest.FixtureRequest) -> str | None:
+    """``RegistrySettings.database`` for ``backend``: None (DuckDB in the data dir) or a fresh PostgreSQL database's URL."""
+    if backend == "duckdb":
+        return None
+    return str(request.getfixturevalue("postgres").database())
+
+
+@pytest.fixture
+def reg(tmp_path: Path, keys: dict[str, Key], database: str | None) -> Iterator[Harness]:
+    """An in-process registry with tokens for alice (alice's key) and bob (bob's key), on each backend."""
+    with harness(tmp_path / "data", keys, database=database) as h:
         yield h
 
 
 # --- a real server process ---------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def registry_cli(*args: str | Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -288,55 +312,6 @@ def registry_cli(*args: str | Path, timeout: float = 60) -> subprocess.Completed
     return subprocess.run(
         [sys.executable, "-m", "kvgraft", *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=REPO
     )
-
-
-class KvgraftProcess:
-    """``python -m kvgraft ARGS`` serving on 127.0.0.1:``port``; always stopped by ``stop``.
-
-    Subclasses say what they are (``what``, for messages) and when they answer (``ready``).
-    """
-
-    what = "process"
-
-    def __init__(self, args: Sequence[str], log: Path, port: int) -> None:
-        self.port = port
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log_path = log
-        self._log = log.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvgraft", *args], stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO
-        )
-
-    def ready(self) -> bool:
-        """Whether the process answers its probe request now."""
-        raise NotImplementedError
-
-    def log(self) -> str:
-        return self._log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the {self.what} exited with {self.proc.returncode}:\n{self.log()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if self.ready():
-                    return
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"the {self.what} did not answer within {timeout} s:\n{self.log()}")
-
-    def stop(self) -> int:
-        """SIGTERM, then SIGKILL after 20 s; returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._log.close()
-        return self.proc.returncode
 
 
 class Server(KvgraftProcess):

@@ -1,9 +1,13 @@
-"""Blobs in-process: streamed upload checked against its digest, HEAD, GET with ETag and Range."""
+"""Blobs in-process, on both stores (the data directory and S3): streamed upload checked against
+its digest, HEAD, GET with ETag and Range, multipart-sized uploads, rot quarantined and repaired."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -12,10 +16,59 @@ from hypothesis import strategies as st
 from kvgraft.registry import RangeNotSatisfiableError
 from kvgraft.registry._internal.ranges import MAX_RANGES, none_match, parse_range
 
-from .conftest import Harness, blob_path, harness, leftovers
+from .conftest import Harness, Key, blob_path, harness, leftovers
+from .s3server import PART_SIZE, s3_server_fixture  # noqa: F401 - the session fixture the S3 stores use
 
 DATA = bytes(range(256)) * 40  # 10240 bytes
 DIGEST = "sha256:" + hashlib.sha256(DATA).hexdigest()
+#: Larger than two S3 parts: a three-part multipart upload on S3, a plain file locally.
+LARGE = bytes(range(251)) * (PART_SIZE * 5 // 2 // 251)
+
+
+@dataclass
+class Store:
+    """One blob store under test: the settings that name it, and a direct view of what it holds."""
+
+    kind: str
+    settings: dict[str, Any]
+    #: The bytes stored under a blob's final name, or None.
+    stored: Callable[[bytes], bytes | None]
+    #: Overwrite a stored blob behind the registry's back (rot).
+    damage: Callable[[bytes, bytes], None]
+    #: Uploads in progress and anything outside blobs/sha256 and blobs/quarantine: none once a request ends.
+    leftovers: Callable[[], list[str]]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    data = tmp_path / "data"
+    if request.param == "local":
+        def stored(b: bytes) -> bytes | None:
+            path = blob_path(data, b)
+            return path.read_bytes() if path.exists() else None
+
+        def damage(b: bytes, other: bytes) -> None:
+            blob_path(data, b).write_bytes(other)
+
+        return Store("local", {}, stored, damage, lambda: [str(p) for p in leftovers(data)])
+    s3 = request.getfixturevalue("s3_server").store()
+
+    def s3_leftovers() -> list[str]:
+        stray = [k for k in s3.keys() if not k.startswith(("blobs/sha256/", "blobs/quarantine/"))]
+        return s3.uploads() + stray
+
+    return Store(
+        "s3", s3.settings(), lambda b: s3.stored(hashlib.sha256(b).hexdigest()),
+        lambda b, other: s3.put_raw(hashlib.sha256(b).hexdigest(), other), s3_leftovers, {"s3": s3},
+    )
+
+
+@pytest.fixture
+def reg(store: Store, tmp_path: Path, keys: dict[str, Key]) -> Iterator[Harness]:
+    """An in-process registry over ``store``, with tokens for alice and bob."""
+    with harness(tmp_path / "data", keys, **store.settings) as h:
+        yield h
 
 
 def _problem(r, status: int, slug: str | None = None) -> dict:  # type: ignore[no-untyped-def]
@@ -28,12 +81,12 @@ def _problem(r, status: int, slug: str | None = None) -> dict:  # type: ignore[n
     return dict(doc)
 
 
-def test_upload_is_201_then_200_and_the_bytes_come_back(reg: Harness) -> None:
+def test_upload_is_201_then_200_and_the_bytes_come_back(reg: Harness, store: Store) -> None:
     r = reg.put_blob(DATA)
     assert r.status_code == 201, r.text
     assert r.json() == {"digest": DIGEST, "size": len(DATA), "created": True}
     assert r.headers["location"] == f"/v1/blobs/{DIGEST}"
-    assert blob_path(reg.data, DATA).read_bytes() == DATA
+    assert store.stored(DATA) == DATA
     again = reg.put_blob(DATA)
     assert again.status_code == 200 and again.json()["created"] is False
 
@@ -48,35 +101,76 @@ def test_upload_is_201_then_200_and_the_bytes_come_back(reg: Harness) -> None:
     assert head.status_code == 200 and head.content == b""
     assert head.headers["content-length"] == str(len(DATA))
     assert head.headers["etag"] == f'"{DIGEST}"'
-    assert leftovers(reg.data) == []
+    assert store.leftovers() == []
 
 
-def test_streamed_upload_without_content_length(reg: Harness) -> None:
+def test_streamed_upload_without_content_length(reg: Harness, store: Store) -> None:
     def chunks():  # type: ignore[no-untyped-def]
         for i in range(0, len(DATA), 1000):
             yield DATA[i : i + 1000]
 
     r = reg.client.put(f"/v1/blobs/{DIGEST}", content=chunks(), headers=reg.auth())
     assert r.status_code == 201, r.text
-    assert blob_path(reg.data, DATA).read_bytes() == DATA
+    assert store.stored(DATA) == DATA
 
 
-def test_bytes_that_do_not_match_the_digest_are_refused_and_leave_nothing(reg: Harness) -> None:
+def test_bytes_that_do_not_match_the_digest_are_refused_and_leave_nothing(reg: Harness, store: Store) -> None:
     wrong = DATA[:-1] + b"\x00"
     r = reg.client.put(f"/v1/blobs/{DIGEST}", content=wrong, headers=reg.auth())
     doc = _problem(r, 400, "digest-mismatch")
     assert f"not {DIGEST}" in doc["detail"]
     assert doc["actual"] == "sha256:" + hashlib.sha256(wrong).hexdigest()
-    assert not blob_path(reg.data, DATA).exists()
-    assert leftovers(reg.data) == []
+    assert store.stored(DATA) is None
+    assert store.leftovers() == []
     _problem(reg.client.get(f"/v1/blobs/{DIGEST}"), 404, "blob-not-found")
 
 
-def test_wrong_bytes_for_an_existing_blob_are_refused_and_the_blob_is_untouched(reg: Harness) -> None:
+def test_wrong_bytes_for_an_existing_blob_are_refused_and_the_blob_is_untouched(reg: Harness, store: Store) -> None:
     reg.put_blob(DATA)
     r = reg.client.put(f"/v1/blobs/{DIGEST}", content=b"other", headers=reg.auth())
     _problem(r, 400, "digest-mismatch")
-    assert blob_path(reg.data, DATA).read_bytes() == DATA
+    assert store.stored(DATA) == DATA
+
+
+def test_a_blob_of_several_parts_is_stored_whole_and_read_back_in_ranges(reg: Harness, store: Store) -> None:
+    ref = "sha256:" + hashlib.sha256(LARGE).hexdigest()
+    r = reg.client.put(f"/v1/blobs/{ref}", content=LARGE, headers=reg.auth())
+    assert r.status_code == 201, r.text
+    assert r.json()["size"] == len(LARGE)
+    assert store.stored(LARGE) == LARGE
+    if store.kind == "s3":
+        # Sent as a multipart upload of 5 MiB parts: S3 marks such an object's ETag with its part count.
+        s3 = store.extra["s3"]
+        head = s3.server.client().head_object(Bucket="kvgraft-test", Key=s3.key(ref[7:]))
+        assert head["ETag"].strip('"').endswith(f"-{-(-len(LARGE) // PART_SIZE)}")
+    assert store.leftovers() == []
+    got = reg.client.get(f"/v1/blobs/{ref}")
+    assert got.status_code == 200 and got.content == LARGE
+    edge = PART_SIZE - 3
+    r = reg.client.get(f"/v1/blobs/{ref}", headers={"Range": f"bytes={edge}-{edge + 9}, -7"})
+    assert r.status_code == 206 and LARGE[edge : edge + 10] in r.content and r.content.count(LARGE[-7:]) >= 1
+
+
+def test_a_multipart_sized_upload_with_the_wrong_bytes_leaves_nothing(reg: Harness, store: Store) -> None:
+    ref = "sha256:" + hashlib.sha256(LARGE).hexdigest()
+    wrong = LARGE[:-1] + b"\xff"
+    doc = _problem(reg.client.put(f"/v1/blobs/{ref}", content=wrong, headers=reg.auth()), 400, "digest-mismatch")
+    assert doc["size"] == len(LARGE)
+    assert store.stored(LARGE) is None
+    assert store.leftovers() == []
+
+
+def test_a_rotten_blob_is_quarantined_and_a_reupload_repairs_it(reg: Harness, store: Store) -> None:
+    reg.put_blob(DATA)
+    store.damage(DATA, DATA[:-1] + b"\x01")
+    doc = _problem(reg.client.get(f"/v1/blobs/{DIGEST}"), 404, "blob-quarantined")
+    assert "no longer hashed to its digest" in doc["detail"]
+    assert store.stored(DATA) is None
+    assert reg.client.head(f"/v1/blobs/{DIGEST}").status_code == 404
+    r = reg.put_blob(DATA)
+    assert r.status_code == 201 and r.json()["created"] is True
+    assert reg.client.get(f"/v1/blobs/{DIGEST}").content == DATA
+    assert store.stored(DATA) == DATA
 
 
 @pytest.mark.parametrize(
@@ -93,26 +187,26 @@ def test_wrong_bytes_for_an_existing_blob_are_refused_and_the_blob_is_untouched(
         "sha256:..",
     ],
 )
-def test_malformed_digests_are_400(reg: Harness, ref: str) -> None:
+def test_malformed_digests_are_400(reg: Harness, store: Store, ref: str) -> None:
     for method in ("GET", "PUT"):
         r = reg.client.request(method, f"/v1/blobs/{ref}", content=b"x" if method == "PUT" else None, headers=reg.auth())
         doc = _problem(r, 400, "bad-digest")
         assert "is not sha256: followed by 64 lowercase hex digits" in doc["detail"]
-    assert leftovers(reg.data) == []
+    assert store.leftovers() == []
 
 
-def test_writes_need_a_token(reg: Harness) -> None:
+def test_writes_need_a_token(reg: Harness, store: Store) -> None:
     r = reg.client.put(f"/v1/blobs/{DIGEST}", content=DATA)
     doc = _problem(r, 401, "unauthenticated")
     assert r.headers["www-authenticate"].startswith("Bearer")
     assert "needs a bearer token" in doc["detail"]
     r = reg.client.put(f"/v1/blobs/{DIGEST}", content=DATA, headers={"Authorization": "Bearer kvgr_forged"})
     assert "not one this registry issued" in _problem(r, 401)["detail"]
-    assert not blob_path(reg.data, DATA).exists()
+    assert store.stored(DATA) is None
 
 
-def test_size_limit_is_413_with_or_without_content_length(tmp_path: Path, keys) -> None:  # type: ignore[no-untyped-def]
-    with harness(tmp_path / "data", keys, max_blob_bytes=1000) as h:
+def test_size_limit_is_413_with_or_without_content_length(tmp_path: Path, keys, store: Store) -> None:  # type: ignore[no-untyped-def]
+    with harness(tmp_path / "data", keys, max_blob_bytes=1000, **store.settings) as h:
         r = h.client.put(f"/v1/blobs/{DIGEST}", content=DATA, headers=h.auth())
         assert "at most 1000" in _problem(r, 413, "too-large")["detail"]
 
@@ -122,8 +216,8 @@ def test_size_limit_is_413_with_or_without_content_length(tmp_path: Path, keys) 
 
         r = h.client.put(f"/v1/blobs/{DIGEST}", content=chunks(), headers=h.auth())
         assert "larger than this registry's limit of 1000 bytes" in _problem(r, 413, "too-large")["detail"]
-        assert leftovers(h.data) == []
-        assert not blob_path(h.data, DATA).exists()
+        assert store.leftovers() == []
+        assert store.stored(DATA) is None
         small = b"small"
         assert h.put_blob(small).status_code == 201
 

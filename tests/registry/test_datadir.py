@@ -11,6 +11,7 @@ import pytest
 
 from kvgraft.registry import RegistrySettings
 from kvgraft.registry._internal.admin import admin_session
+from kvgraft.registry._internal.datadir import DataDir, read_signed_head, write_signed_head
 from kvgraft.registry._internal.db import MIGRATIONS, Database, Migration
 from kvgraft.registry._internal.errors import (
     AdminUnavailableError,
@@ -162,3 +163,22 @@ def test_the_log_serves_the_known_inclusion_proofs(kat_log: TransparencyLog, ind
 @pytest.mark.parametrize(("old", "new", "proof"), KAT_CONSISTENCY)
 def test_the_log_serves_the_known_consistency_proofs(kat_log: TransparencyLog, old: int, new: int, proof: list[bytes]) -> None:
     assert kat_log.consistency(old, new) == {"old_size": old, "new_size": new, "hashes": [p.hex() for p in proof]}
+
+
+def test_stale_signed_head_write_cannot_move_the_head_back(tmp_path: Path, keys: dict[str, Key]) -> None:
+    """A stale sequencer (or a follower starting) sharing the data directory writes an older head
+    after a newer one: the file keeps the newer head, so a database rolled back to the older size
+    is still refused at start."""
+    data = tmp_path / "data"
+    with harness(data, keys) as h:
+        for i in range(2):
+            h.publish_artifact(artifact(f"stale head {i}"), keys["alice"])
+        older = read_signed_head(DataDir(data))
+        for i in range(2, 4):
+            h.publish_artifact(artifact(f"stale head {i}"), keys["alice"])
+    assert older is not None and older.tree_size == 2
+    assert write_signed_head(DataDir(data), older) is False
+    saved = read_signed_head(DataDir(data))
+    assert saved is not None and saved.tree_size == 4
+    # A newer head is still written (the same size too: the start-up check compares its root).
+    assert write_signed_head(DataDir(data), saved) is True

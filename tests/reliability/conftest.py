@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.registry.conftest import Key, make_key
+# backend, database and postgres are fixtures: the crash and load suites run on both metadata backends.
+from tests.registry.conftest import Key, backend, database, make_key, postgres  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Scale:
 
 
 BOUNDED = Scale("bounded", parser_examples=150, http_examples=60, crash_rounds=3, crash_writes=50, load_seconds=10, load_clients=32)
-HEAVY = Scale("heavy", parser_examples=2000, http_examples=400, crash_rounds=20, crash_writes=60, load_seconds=60, load_clients=32)
+HEAVY = Scale("heavy", parser_examples=2000, http_examples=400, crash_rounds=50, crash_writes=60, load_seconds=60, load_clients=32)
 
 
 @pytest.fixture(scope="session")

@@ -27,13 +27,15 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def test_concurrent_publish_and_read(tmp_path: Path, rkeys: dict[str, Key], scale: Scale, figures: Figures) -> None:
+def test_concurrent_publish_and_read(
+    tmp_path: Path, rkeys: dict[str, Key], scale: Scale, figures: Figures, database: str | None
+) -> None:
     alice = rkeys["alice"]
     latencies: dict[str, list[float]] = {}
     errors: list[str] = []
     acked: dict[str, int] = {}
     lock = threading.Lock()
-    with running_server(tmp_path / "data", "--log-level", "warning") as server:
+    with running_server(tmp_path / "data", "--log-level", "warning", *(("--database", database) if database else ())) as server:
         tokens = [make_token(server, "alice", alice)[0] for _ in range(scale.load_clients)]
         start_barrier = threading.Barrier(scale.load_clients + 1)
         deadline: list[float] = []
@@ -111,7 +113,7 @@ def test_concurrent_publish_and_read(tmp_path: Path, rkeys: dict[str, Key], scal
     every = [dt for values in latencies.values() for dt in values]
     publish = latencies.get("publish", [])
     figures.add(
-        "load",
+        "load" if database is None else "load-postgres",
         clients=scale.load_clients, seconds=round(elapsed, 1), requests=len(every), errors=len(errors), publishes=len(acked),
         lost_entries=len(lost), tree_size=size,
         throughput_rps=round(len(every) / elapsed, 1), publishes_per_s=round(len(acked) / elapsed, 1),

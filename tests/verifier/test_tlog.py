@@ -445,6 +445,22 @@ def test_consistency_proofs_verify_and_tampering_is_rejected(
         verify_consistency(old, new, old_root, new_root, forked.consistency_proof(old))
 
 
+def test_truncate_equals_the_tree_of_the_first_leaves() -> None:
+    leaves = [hash_leaf(bytes([i])) for i in range(70)]
+    for full in (0, 1, 2, 5, 16, 17, 64, 70):
+        for size in range(full + 1):
+            tree = MerkleTree(leaves[:full])
+            tree.truncate(size)
+            fresh = MerkleTree(leaves[:size])
+            assert tree.size == size and tree.root() == fresh.root()
+            assert tree._levels == fresh._levels  # the same kept subtrees: later appends and tiles agree
+            tree.append(leaves[69])
+            fresh.append(leaves[69])
+            assert tree.root() == fresh.root()
+    with pytest.raises(ValueError, match="tree size"):
+        MerkleTree(leaves[:3]).truncate(4)
+
+
 def test_a_large_tree_serves_proofs_cheaply() -> None:
     leaves = distinct_leaves(100_000)
     tree = MerkleTree(leaves)

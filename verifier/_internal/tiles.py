@@ -15,8 +15,9 @@ A tiled log is a set of static resources under a URL prefix (or a directory)::
 - A tree of size ``s`` has, at each level ``L``, ``floor(s / 256**(L+1))`` full tiles and, when
   ``W = floor(s / 256**L) mod 256`` is not 0, one partial tile ``.p/<W>`` of ``W`` hashes. Empty
   tiles do not exist. The partial tile of width ``W`` belongs to every tree size whose checkpoint
-  produced it, so a log that signed every size (as kvgraft's registry does) has the partial tile
-  ``(L, N, W)`` exactly when ``(N * 256 + W) * 256**L <= s`` (``Tile.min_tree_size``).
+  produced it, so a log that serves the partial tiles of every size up to its latest (as
+  kvgraft's registry does) has the partial tile ``(L, N, W)`` exactly when
+  ``(N * 256 + W) * 256**L <= s`` (``Tile.min_tree_size``).
 - An entry bundle holds the entries of one level-0 tile, in order, each as a big-endian uint16
   length and that many bytes; entry ``i`` hashes (RFC 6962 leaf hash) to hash ``i`` of the tile.
   So no entry can be longer than 65,535 bytes: a log holding a longer one cannot serve the bundle

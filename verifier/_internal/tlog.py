@@ -121,6 +121,16 @@ class MerkleTree:
                 self._levels.append([])
         return index
 
+    def truncate(self, size: int) -> None:
+        """Forget every leaf from ``size`` on (leaves appended but never committed); never fails.
+
+        Level ``h`` keeps the ``size >> h`` perfect subtrees that lie wholly in the first ``size``
+        leaves, and the tree keeps as many levels as appending ``size`` leaves would have made:
+        the result equals ``MerkleTree(first size leaf hashes)`` without rehashing or reading them.
+        """
+        self._check_sizes(size, self.size, "tree size")
+        self._levels = [row[: size >> h] for h, row in enumerate(self._levels[: max(1, size.bit_length())])]
+
     def leaf_hash(self, index: int) -> bytes:
         """The leaf hash at ``index``."""
         self._check_sizes(index, self.size - 1, "leaf index")

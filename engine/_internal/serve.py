@@ -1,0 +1,150 @@
+"""``kvgraft engine serve``: the engine's OpenAI-compatible server under uvicorn (docs/engine-serve.md).
+
+``serve_engine`` checks what it can cheaply (the port, each library's model and profile), then
+runs the app of ``serve_app.py`` under uvicorn until SIGINT/SIGTERM. The app's lifespan loads
+the model and opens the libraries (verifying each one's prefix); a failure there is reported
+as the one-line error it is, never as a traceback. Importing this module imports neither
+litestar nor uvicorn: they are loaded when the server starts, so the engine works without them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .errors import EngineServerConfigError
+from .library import read_meta
+from .trust import Trust
+
+if TYPE_CHECKING:
+    from litestar import Litestar
+
+#: Requests that may wait for the model worker besides the one it is answering.
+DEFAULT_MAX_QUEUE = 16
+#: Seconds a request may take, queue wait included, before it is answered 504 and its decoding stops.
+DEFAULT_REQUEST_TIMEOUT = 120.0
+#: The largest request body read (a chat request is a few kilobytes).
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+#: ``max_tokens`` when a request gives none (a recall still stops after 16).
+DEFAULT_MAX_TOKENS = 256
+#: Request heads (request line and headers) past this many bytes are refused by the HTTP parser.
+MAX_HEADER_BYTES = 32 * 1024
+#: The log every part of the server writes to.
+LOGGER = "kvgraft.engine.serve"
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """The server's limits. ``max_queue``: requests waiting for the one model worker (0: none
+    wait; a request finding the queue full is answered 429). ``request_timeout``: seconds from a
+    request's arrival to its last token (504, or a failed stream, past it). ``max_body_bytes``:
+    the largest request body (413 past it). ``default_max_tokens``: the budget of a request
+    giving no ``max_tokens``."""
+
+    max_queue: int = DEFAULT_MAX_QUEUE
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+
+    def check(self) -> None:
+        """Refuse limits that cannot work (``EngineServerConfigError``)."""
+        if not 0 <= self.max_queue <= 1 << 20:
+            raise EngineServerConfigError(f"--max-queue {self.max_queue} is not between 0 and {1 << 20}",
+                                          hint="pass --max-queue 16, or another small number")
+        if not 0 < self.request_timeout <= 24 * 3600:
+            raise EngineServerConfigError(f"--request-timeout {self.request_timeout} is not between 0 and a day (in seconds)",
+                                          hint="pass --request-timeout 120")
+        if not 1024 <= self.max_body_bytes <= 1 << 30:
+            raise EngineServerConfigError(f"--max-body-bytes {self.max_body_bytes} is not between 1 KiB and 1 GiB",
+                                          hint="pass --max-body-bytes 1048576")
+        if self.default_max_tokens < 1:
+            raise EngineServerConfigError("the default max_tokens must be at least 1")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What the server serves: ``model`` (a ``kvgraft models list`` name) under ``profile``, the
+    ``libraries`` (each for that model and profile, in lookup order), the ``trust`` every grafted
+    artifact is verified against (required when there are libraries; ``Trust.skipped()`` is the
+    loud opt-out), and the limits."""
+
+    model: str
+    profile: str
+    libraries: tuple[Path, ...]
+    trust: Trust | None
+    settings: ServeSettings
+
+
+def check_config(config: ServeConfig) -> None:
+    """What can be checked before any model is loaded: the limits, that the libraries are
+    libraries of ``config.model`` under ``config.profile``, named once each, and trusted."""
+    config.settings.check()
+    seen: set[Path] = set()
+    for directory in config.libraries:
+        resolved = directory.resolve()
+        if resolved in seen:
+            raise EngineServerConfigError(f"--library {directory} is given twice", hint="name each library once")
+        seen.add(resolved)
+        meta = read_meta(directory)
+        if meta["model"] != config.model:
+            raise EngineServerConfigError(f"library {directory} holds {meta['model']} state, not {config.model}",
+                                          hint=f"serve it with --model {meta['model']}, or leave it out")
+        if meta["profile"] != config.profile:
+            raise EngineServerConfigError(f"library {directory} was made under profile {meta['profile']}, not {config.profile}",
+                                          hint=f"pass --profile {meta['profile']}")
+    if config.libraries and config.trust is None:
+        raise EngineServerConfigError("libraries are served only with keys to verify their artifacts against",
+                                      hint="pass --trusted-keys FILE (or --trust-local-key); --insecure-skip-verify skips the check")
+
+
+def create_engine_app(config: ServeConfig) -> Litestar:
+    """The Litestar app serving ``config`` (see ``serve_app.create_app``)."""
+    from .serve_app import create_app
+
+    return create_app(config)
+
+
+def serve_engine(config: ServeConfig, *, host: str, port: int, log_level: str = "info") -> bool:
+    """Serve ``config`` on ``host:port`` until interrupted (SIGINT/SIGTERM); False when it
+    stopped without starting. A failure while loading (the model, a library that does not
+    verify) is raised after uvicorn has stopped, as the ``KvgraftError`` it was."""
+    import uvicorn
+
+    from .serve_app import StartupEdge, StartupFailure, create_app
+
+    if not 1 <= port <= 65535:
+        raise EngineServerConfigError(f"port {port} is not between 1 and 65535", hint="pass --port 8000, or another free port")
+    check_config(config)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    logger = logging.getLogger(LOGGER)
+    logger.addHandler(handler)
+    logger.setLevel(log_level.upper())
+    logger.propagate = False
+    failure = StartupFailure()
+    try:
+        app = StartupEdge(create_app(config, failure=failure), failure)
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=host, port=port, log_level=log_level, lifespan="on", server_header=False,
+            # h11 bounds the request head (httptools does not); the model, not the parser, is the bottleneck.
+            http="h11", h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+            # A stopping server cancels the decoding still running (its clients see the stream end).
+            timeout_graceful_shutdown=5,
+        ))
+        try:
+            server.run()
+        except SystemExit as e:
+            # uvicorn exits (status 3) when the lifespan fails or the port cannot be bound.
+            if failure.error is not None:
+                raise failure.error from e
+            return False
+        if failure.error is not None:
+            raise failure.error
+        return bool(server.started)
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = True
+

@@ -1,0 +1,711 @@
+"""The engine server's Litestar app: the OpenAI-compatible routes, the one model worker and its
+bounded queue, and OpenAI-style error bodies (docs/engine-serve.md).
+
+How a request is answered:
+
+1. the handler reads the body (at most ``max_body_bytes``), parses it into the shared wire model
+   (``kvgraft.schemas``' engine wire) and checks what kvgraft serves (the model id, greedy only,
+   one choice); every refusal is an ``EngineServerError``, whose class fixes the HTTP status;
+2. it admits a ``_Job`` to the queue: a memory stream holding at most ``max_queue`` jobs while the
+   worker answers one, so a full queue is a 429 at once, never a wait;
+3. the one worker task (started in the lifespan) takes jobs in order and runs each in a thread
+   (``anyio.to_thread``), one at a time, so torch forward passes never overlap: the library lookup
+   across every library (``lookup_all``), then ``Library.answer`` (or ``ask_model`` without a
+   library), whose decode loop is the engine's one (``greedy_decode``);
+4. the decode loop calls the job's ``on_token`` after every token with the answer's text so far:
+   it ends decoding when a stop string appears, the request's deadline passes, the client hung up
+   or the server is stopping, and (streaming) hands the new text to the event stream;
+5. the handler answers the job's result, or its error, waiting at most until the deadline and
+   watching for the client hanging up; a stream is started only once its first token is decoded,
+   so a refusal before that (a bad artifact, a question too long) still has its own status.
+
+Nothing a request sends reaches a traceback: the body's faults are 4xx with what to fix, and an
+unexpected failure is a plain 500 whose details go to the server log only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from litestar import Litestar, Request, Response, get, post
+from litestar.background_tasks import BackgroundTask
+from litestar.exceptions import HTTPException, MethodNotAllowedException, NotFoundException
+from litestar.response import Stream
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from pydantic import BaseModel, ValidationError
+
+from kvgraft.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    DeterminismProfile,
+    ErrorBody,
+    ErrorDetail,
+    FinishReason,
+    KvgraftError,
+    ModelCard,
+    ModelList,
+    Provenance,
+    Usage,
+)
+
+from .errors import (
+    ArtifactRefusedError,
+    ClientClosedRequestError,
+    ContextWindowError,
+    EngineServerError,
+    InputTextError,
+    InvalidRequestError,
+    MethodNotServedError,
+    ModelNotServedError,
+    PromptTooLongError,
+    QueueFullError,
+    RequestTimeoutError,
+    RequestTooLargeError,
+    RouteNotFoundError,
+    ServerStoppingError,
+)
+from .library import Answer, Library, ask_model, lookup_all
+from .models import LoadedModel, load_model
+from .profiles import current_profile
+from .serve import LOGGER, ServeConfig
+
+logger = logging.getLogger(LOGGER)
+
+#: Where the server says how it is (not part of OpenAI's API; for readiness probes and operators).
+HEALTH_PATH = "/health"
+
+
+@dataclass
+class StartupFailure:
+    """Where the lifespan leaves the ``KvgraftError`` that kept the server from starting, so that
+    ``serve_engine`` raises it (one line) after uvicorn stops, instead of uvicorn logging a traceback."""
+
+    error: KvgraftError | None = None
+
+
+# --- what is served ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Served:
+    """The lifespan's state: the loaded model, its libraries, the queue into the worker."""
+
+    config: ServeConfig
+    model: LoadedModel
+    profile: DeterminismProfile
+    libraries: list[Library]
+    #: Unix time the model was loaded (``created`` of its ``/v1/models`` card).
+    created: int
+    queue: MemoryObjectSendStream[_Job] | None = None
+    #: Set when the server stops: every decoding still running ends at its next token.
+    stopping: bool = False
+    running: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.config.model
+
+    def admit(self, job: _Job) -> None:
+        """Put ``job`` in the queue, or refuse it (``QueueFullError``) when every place is taken."""
+        if self.queue is None or self.stopping:
+            raise ServerStoppingError("the server is stopping and takes no new requests")
+        try:
+            self.queue.send_nowait(job)
+        except anyio.WouldBlock as e:
+            limit = self.config.settings.max_queue
+            raise QueueFullError(
+                f"the server is answering one request and {limit} more are waiting, its limit (--max-queue {limit})"
+            ) from e
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    """The request's stop strings: a single one is a tuple of one, none an empty tuple."""
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> str:
+    """``text`` less what may not be streamed yet: a trailing partial character (the tokenizer
+    decodes an incomplete UTF-8 sequence as U+FFFD) and a tail that may be the start of a stop
+    string (a stop string is never sent, not even in part)."""
+    text = text.rstrip("\ufffd")
+    for n in range(min(len(text), max((len(s) for s in stops), default=1) - 1), 0, -1):
+        if any(s.startswith(text[-n:]) for s in stops):
+            return text[:-n]
+    return text
+
+
+class _Job:
+    """One request for the model worker: its question, budget, stop strings and deadline; what
+    the worker found (entry, method), what it answered or why it failed, and (streaming) the text
+    deltas as they are decoded.
+
+    ``cancel``, ``finish`` and the events belong to the event loop; ``run`` and ``on_token`` run in
+    the worker's thread, which talks to the loop only through ``anyio.from_thread``.
+    """
+
+    def __init__(self, question: str, *, param: str, max_tokens: int, stops: tuple[str, ...], stream: bool,
+                 timeout: float) -> None:
+        self.question = question
+        #: The request field the question came from (named by a refusal of the question).
+        self.param = param
+        self.max_tokens = max_tokens
+        self.stops = stops
+        self.stream = stream
+        self.deadline = time.monotonic() + timeout
+        self.timeout = timeout
+        self.cancelled = False
+        self.timed_out = False
+        self.started = anyio.Event()
+        self.done = anyio.Event()
+        self.answer: Answer | None = None
+        self.error: EngineServerError | None = None
+        self.method = "none"
+        self.entry: str | None = None
+        #: The text streamed so far (written by the worker's thread, read once it is done).
+        self.sent = ""
+        self._first_token = True
+        self._served: _Served | None = None
+        send, receive = anyio.create_memory_object_stream[str](max_buffer_size=math.inf)
+        self._deltas_send: MemoryObjectSendStream[str] = send
+        self.deltas: MemoryObjectReceiveStream[str] = receive
+
+    def remaining(self) -> float:
+        """Seconds until the deadline (0 once it passed)."""
+        return max(self.deadline - time.monotonic(), 0.0)
+
+    def cancel(self) -> None:
+        """Stop this job: skipped when still queued, its decoding ended at the next token when running."""
+        self.cancelled = True
+
+    def cut(self, text: str) -> tuple[str, bool]:
+        """``text`` up to the first stop string (cut off, as OpenAI does) and whether one occurs."""
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return (text[:min(found)], True) if found else (text, False)
+
+    def timeout_error(self) -> RequestTimeoutError:
+        return RequestTimeoutError(f"the answer was not ready within the server's request timeout of {self.timeout:g} s; "
+                                   "its decoding was stopped")
+
+    # --- in the worker's thread ---------------------------------------------------------------------
+
+    def on_token(self, text: str) -> bool:
+        """The decode loop's extra stop rule, called after every token with the answer's text so
+        far: true ends decoding (a stop string, the deadline, the client gone, the server stopping)."""
+        if self.stream and self._first_token:
+            self._first_token = False
+            self._to_loop(self.started.set)
+        if self.cancelled or (self._served is not None and self._served.stopping):
+            return True
+        if time.monotonic() >= self.deadline:
+            self.timed_out = True
+            return True
+        visible, hit = self.cut(text)
+        if self.stream:
+            ready = visible if hit else _held_back(visible, self.stops)
+            if len(ready) > len(self.sent) and ready.startswith(self.sent):
+                delta, self.sent = ready[len(self.sent):], ready
+                self._to_loop(lambda: self._deltas_send.send_nowait(delta))
+        return hit
+
+    def _to_loop(self, call: Any) -> None:
+        try:
+            anyio.from_thread.run_sync(call)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, RuntimeError):
+            # The stream's reader is gone (the client hung up) or the loop is stopping.
+            self.cancelled = True
+
+    def run(self, served: _Served) -> None:
+        """Answer the question (in the worker's thread): the best entry across the libraries, or
+        the model alone without any; every failure is kept as the ``EngineServerError`` to answer."""
+        self._served = served
+        try:
+            if served.libraries:
+                found = lookup_all(served.libraries, self.question)
+                library, hit = found if found is not None else (served.libraries[0], None)
+                if hit is not None:
+                    self.method, self.entry = hit.method, hit.entry.artifact
+                self.answer = library.answer(self.question, hit, max_new_tokens=self.max_tokens, stop=self.on_token)
+            else:
+                self.answer = ask_model(served.model, served.profile, self.question, max_new_tokens=self.max_tokens,
+                                        stop=self.on_token)
+        except ContextWindowError as e:
+            self.error = _caused(PromptTooLongError(e.message, hint=e.hint, param=self.param), e)
+        except InputTextError as e:
+            self.error = _caused(InvalidRequestError(e.message, hint=e.hint, param=self.param), e)
+        except KvgraftError as e:
+            # Everything else the library raises is about its files: an artifact that does not verify
+            # (signature, digest, lineage, the signed text) or an index that was altered. Never grafted.
+            logger.error("request refused: %s", e)
+            self.error = _caused(ArtifactRefusedError(f"the library entry this question needs was refused, not grafted: "
+                                                      f"{_scrub(e.message)}"), e)
+        except Exception as e:
+            logger.error("the model worker failed", exc_info=e)
+            self.error = _caused(EngineServerError("the model worker failed to answer this request"), e)
+
+    # --- on the event loop --------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """The worker is done with this job (run or skipped): close its deltas, wake its handler."""
+        self._deltas_send.close()
+        self.started.set()
+        self.done.set()
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _caused(error: _E, cause: BaseException) -> _E:
+    error.__cause__ = cause
+    return error
+
+
+#: An absolute path in a message: the server's files are nobody else's business (the log has them).
+_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.~-])/(?:[\w.@+~-]+/)+[\w.@+~-]*")
+
+
+def _scrub(text: str) -> str:
+    return _ABSOLUTE_PATH.sub("<path>", text)
+
+
+async def _worker(served: _Served, jobs: MemoryObjectReceiveStream[_Job]) -> None:
+    """The one model worker: each job in order, in a thread, one at a time (see the module docstring)."""
+    async with jobs:
+        async for job in jobs:
+            try:
+                if job.cancelled or served.stopping:
+                    continue
+                if job.remaining() <= 0:
+                    job.error = job.timeout_error()
+                    continue
+                served.running = True
+                # Not abandoned on cancellation: the thread ends at its next token (on_token sees
+                # stopping), and the next job never starts while a forward pass still runs.
+                await anyio.to_thread.run_sync(job.run, served)
+            finally:
+                served.running = False
+                job.finish()
+
+
+# --- requests ------------------------------------------------------------------------------------
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def _served(request: Request[Any, Any, Any]) -> _Served:
+    served: _Served = request.app.state.served
+    return served
+
+
+async def _read_body(request: Request[Any, Any, Any], limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLargeError(f"the request body is {int(declared)} bytes; this server accepts at most {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLargeError(f"the request body is larger than this server's limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+#: Union members in a validation error's location (``str``, ``list[TextPart]``): not field names.
+_TYPE_TAG = re.compile(r"^(?:[A-Z]\w*|str|int|float|bool|none|list\[.*\]|function-\w+\[.*\])$")
+
+
+def _where(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in loc if not (isinstance(part, str) and _TYPE_TAG.match(part)))
+
+
+def _parse(model: type[_Model], body: bytes) -> _Model:
+    """``body`` as ``model``, or an ``InvalidRequestError`` naming the fields at fault (at most 3)."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        errors = e.errors(include_url=False, include_input=False, include_context=False)
+        first = errors[0]
+        if first["type"] == "json_invalid":
+            raise InvalidRequestError(f"the request body is not JSON: {first['msg']}",
+                                      hint="send one JSON object, UTF-8 encoded") from e
+        if first["type"] == "model_type" and not first["loc"]:
+            raise InvalidRequestError("the request body must be a JSON object", hint="send one JSON object") from e
+        # A union (a string or a list of parts) fails once per member: name each field once.
+        seen: dict[str, str] = {}
+        for error in errors:
+            seen.setdefault(_where(error["loc"]) or "body", error["msg"])
+        named = list(seen.items())[:3]
+        raise InvalidRequestError("invalid request: " + "; ".join(f"{where}: {msg}" for where, msg in named),
+                                  param=named[0][0]) from e
+
+
+def _check_sampling(served: _Served, req: ChatCompletionRequest | CompletionRequest) -> None:
+    if req.model != served.name:
+        raise ModelNotServedError(f"the model {req.model[:80]!r} is not served here; this server serves {served.name!r}",
+                                  param="model")
+    if req.temperature not in (None, 0):
+        raise InvalidRequestError(
+            f"temperature {req.temperature:g} is not served: only greedy decoding is (temperature absent or 0), "
+            "because kvgraft's answers are exact and reproducible",
+            hint="leave temperature out, or send 0", param="temperature", code="unsupported_value",
+        )
+    if req.n not in (None, 1):
+        raise InvalidRequestError(f"n {req.n} is not served: greedy decoding has one answer (n absent or 1)",
+                                  hint="leave n out, or send 1", param="n", code="unsupported_value")
+
+
+def _chat_question(req: ChatCompletionRequest) -> tuple[str, str]:
+    """The question, the last ``user`` message's content (a string, or its text parts joined by
+    newlines), and the field it came from."""
+    for n in range(len(req.messages) - 1, -1, -1):
+        message = req.messages[n]
+        if message.role != "user":
+            continue
+        content = message.content
+        if content is None:
+            raise InvalidRequestError(f"messages.{n}: the last user message has no content", param=f"messages.{n}.content")
+        if isinstance(content, str):
+            return _question(content, f"messages.{n}.content")
+        texts = []
+        for i, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise InvalidRequestError(
+                    f"messages.{n}.content.{i}: a {part.type[:40]!r} part; only text parts ({{\"type\": \"text\", \"text\": ...}}) are served",
+                    param=f"messages.{n}.content.{i}",
+                )
+            texts.append(part.text)
+        return _question("\n".join(texts), f"messages.{n}.content")
+    raise InvalidRequestError("messages holds no user message: the question is the last user message's content",
+                              hint='add {"role": "user", "content": "..."}', param="messages")
+
+
+def _question(text: str, param: str) -> tuple[str, str]:
+    if not text.strip():
+        raise InvalidRequestError(f"{param}: the question is empty", hint="ask a question with some text", param=param)
+    return text, param
+
+
+async def _wait(request: Request[Any, Any, Any], job: _Job, event: anyio.Event) -> None:
+    """Until ``event``, the deadline, or the client hanging up (each of the last two cancels the job)."""
+    gone = False
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            nonlocal gone
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    gone = True
+                    job.cancel()
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(watch)
+        with anyio.move_on_after(job.remaining()):
+            await event.wait()
+        tg.cancel_scope.cancel()
+    if gone:
+        raise ClientClosedRequestError("the client hung up before its answer was ready")
+    if not event.is_set():
+        job.cancel()
+        raise job.timeout_error()
+
+
+def _result(job: _Job) -> Answer:
+    """The answer of a finished job, or (raised) the ``EngineServerError`` it is answered with."""
+    if job.error is not None:
+        raise job.error
+    if job.timed_out:
+        raise job.timeout_error()
+    if job.answer is None:
+        # Skipped: the server is stopping (a job cancelled by its own client has nobody to answer).
+        raise ServerStoppingError("the server stopped before answering this request")
+    return job.answer
+
+
+def _finish_reason(job: _Job, answer: Answer) -> FinishReason:
+    if job.cut(answer.text)[1] or answer.stopped_by in ("eos", "stop"):
+        return "stop"
+    return "length"
+
+
+def _provenance(answer: Answer) -> Provenance:
+    return Provenance(
+        entry=answer.entry, method=answer.method, signature=answer.signature, score=round(answer.score, 6),  # type: ignore[arg-type]
+        prompt_tokens=answer.prompt_tokens, decode_tokens=answer.decode_tokens, context_tokens=answer.context_tokens,
+        seconds=round(answer.seconds, 6), energy_joules=answer.energy_joules, energy_method=answer.energy_method,
+        answer=answer.answer,
+    )
+
+
+def _usage(answer: Answer) -> Usage:
+    return Usage(prompt_tokens=answer.prompt_tokens, completion_tokens=answer.decode_tokens,
+                 total_tokens=answer.prompt_tokens + answer.decode_tokens)
+
+
+def _json(model: BaseModel, *, status: int = 200, headers: dict[str, str] | None = None) -> Response[bytes]:
+    return Response(content=model.model_dump_json().encode("utf-8"), status_code=status,
+                    media_type="application/json", headers=headers or {})
+
+
+def _event(model: BaseModel | None) -> bytes:
+    """One server-sent event: ``data: <json>``, or ``data: [DONE]`` for None."""
+    return b"data: " + (model.model_dump_json().encode("utf-8") if model is not None else b"[DONE]") + b"\n\n"
+
+
+def _error_body(error: EngineServerError) -> ErrorBody:
+    return ErrorBody(error=ErrorDetail(message=str(error), type=error.error_type, param=error.param, code=error.code))
+
+
+def _provenance_headers(job: _Job) -> dict[str, str]:
+    return {"X-Kvgraft-Method": job.method, "X-Kvgraft-Entry": job.entry or "none"}
+
+
+async def _answer(request: Request[Any, Any, Any], question: tuple[str, str], req: ChatCompletionRequest | CompletionRequest,
+                  max_tokens: int | None, *, chat: bool) -> Response[Any]:
+    """Queue the question, then answer it whole or as an event stream (see the module docstring)."""
+    served = _served(request)
+    settings = served.config.settings
+    job = _Job(question[0], param=question[1], max_tokens=max_tokens or settings.default_max_tokens, stops=_stops(req.stop),
+               stream=bool(req.stream), timeout=settings.request_timeout)
+    served.admit(job)
+    ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+    created = int(time.time())
+    if not job.stream:
+        await _wait(request, job, job.done)
+        answer = _result(job)
+        content = job.cut(answer.text)[0]
+        finish = _finish_reason(job, answer)
+        body: BaseModel
+        if chat:
+            body = ChatCompletion(id=ident, created=created, model=served.name, usage=_usage(answer), kvgraft=_provenance(answer),
+                                  choices=[ChatChoice(message=AssistantMessage(content=content), finish_reason=finish)])
+        else:
+            body = Completion(id=ident, created=created, model=served.name, usage=_usage(answer), kvgraft=_provenance(answer),
+                              choices=[CompletionChoice(text=content, finish_reason=finish)])
+        return _json(body, headers=_provenance_headers(job))
+    # A stream starts once its first token is decoded: what fails before that has its own status.
+    await _wait(request, job, job.started)
+    if job.done.is_set():
+        _result(job)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(text: str | None, *, first: bool = False, answer: Answer | None = None, usage: bool = False) -> BaseModel:
+        finish: FinishReason | None = _finish_reason(job, answer) if answer is not None and not usage else None
+        provenance = _provenance(answer) if answer is not None else None
+        counted = _usage(answer) if answer is not None and usage else None
+        if chat:
+            choices = [] if usage else [ChatChunkChoice(
+                delta=ChatDelta(role="assistant" if first else None, content=text), finish_reason=finish)]
+            return ChatCompletionChunk(id=ident, created=created, model=served.name, choices=choices, usage=counted,
+                                       kvgraft=provenance)
+        return Completion(id=ident, created=created, model=served.name, usage=counted, kvgraft=provenance,
+                          choices=[] if usage else [CompletionChoice(text=text or "", finish_reason=finish)])
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            if chat:
+                yield _event(chunk("", first=True))
+            while True:
+                try:
+                    # The deadline bounds each wait, never a yield (a cancel scope must not span one).
+                    with anyio.fail_after(job.remaining() + 1.0):
+                        delta = await job.deltas.receive()
+                except anyio.EndOfStream:
+                    break
+                except TimeoutError:
+                    job.cancel()
+                    yield _event(_error_body(job.timeout_error()))
+                    return
+                yield _event(chunk(delta))
+            try:
+                answer = _result(job)
+            except EngineServerError as e:
+                # The answer has begun (status 200): the failure is the stream's last event.
+                logger.warning("stream %s ended early: %s", ident, e)
+                yield _event(_error_body(e))
+                return
+            content = job.cut(answer.text)[0]
+            # What was held back (a partial stop string that never completed, the last characters).
+            rest = content[len(job.sent):] if content.startswith(job.sent) else ""
+            yield _event(chunk(rest, answer=answer))
+            if include_usage:
+                yield _event(chunk(None, answer=answer, usage=True))
+            yield _event(None)
+        finally:
+            # The client hung up (Litestar cancels the stream) or the stream ended: stop decoding.
+            job.cancel()
+            job.deltas.close()
+
+    async def ended() -> None:
+        # After the stream, however it ended: a hang-up cancels the stream while the generator may be
+        # suspended at a yield (its finally runs only when it is collected), so stop decoding here too.
+        job.cancel()
+        job.deltas.close()
+
+    return Stream(events(), media_type="text/event-stream", background=BackgroundTask(ended),
+                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **_provenance_headers(job)})
+
+
+# --- routes --------------------------------------------------------------------------------------
+
+
+@get("/v1/models")
+async def list_models(request: Request[Any, Any, Any]) -> Response[bytes]:
+    """The served model, as OpenAI lists models."""
+    served = _served(request)
+    return _json(ModelList(data=[ModelCard(id=served.name, created=served.created)]))
+
+
+@get(HEALTH_PATH)
+async def health(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    """``{"status": "ok", "model", "libraries", "entries", "running", "queued", "max_queue"}``."""
+    served = _served(request)
+    queued = served.queue.statistics().current_buffer_used if served.queue is not None else 0
+    return {"status": "stopping" if served.stopping else "ok", "model": served.name, "libraries": len(served.libraries),
+            "entries": sum(len(lib.entries) for lib in served.libraries), "running": served.running, "queued": queued,
+            "max_queue": served.config.settings.max_queue}
+
+
+@post("/v1/chat/completions", request_max_body_size=None, status_code=200)
+async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
+    """A chat completion: the question is the last user message's content; other messages are ignored."""
+    served = _served(request)
+    req = _parse(ChatCompletionRequest, await _read_body(request, served.config.settings.max_body_bytes))
+    _check_sampling(served, req)
+    return await _answer(request, _chat_question(req), req, req.max_completion_tokens or req.max_tokens, chat=True)
+
+
+@post("/v1/completions", request_max_body_size=None, status_code=200)
+async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
+    """A completion: the question is ``prompt`` (a string, or a list of one string)."""
+    served = _served(request)
+    req = _parse(CompletionRequest, await _read_body(request, served.config.settings.max_body_bytes))
+    _check_sampling(served, req)
+    prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+    return await _answer(request, _question(prompt, "prompt"), req, req.max_tokens, chat=False)
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+def _server_error(request: Request[Any, Any, Any], exc: EngineServerError) -> Response[bytes]:
+    if exc.status_code >= 500:
+        logger.error("%s %s failed: %s", request.method, request.url.path, exc)
+    elif isinstance(exc, QueueFullError | ClientClosedRequestError):
+        logger.info("%s %s: %s", request.method, request.url.path, exc)
+    return _json(_error_body(exc), status=exc.status_code, headers=exc.headers())
+
+
+def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[bytes]:
+    mapped: EngineServerError
+    if isinstance(exc, NotFoundException):
+        mapped = RouteNotFoundError(f"{request.method} {request.url.path[:200]} is not part of this server's API")
+    elif isinstance(exc, MethodNotAllowedException):
+        mapped = MethodNotServedError(f"{request.url.path[:200]} does not answer {request.method}")
+    else:
+        mapped = InvalidRequestError(exc.detail or "the request cannot be answered")
+        mapped.status_code = exc.status_code if 400 <= exc.status_code < 500 else 400
+    return _server_error(request, mapped)
+
+
+def _internal_error(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return _server_error(request, EngineServerError("the server failed to answer this request"))
+
+
+# --- the app -------------------------------------------------------------------------------------
+
+
+def _load(config: ServeConfig) -> _Served:
+    """The model and its libraries, each library's prefix verified now (a library that does not
+    verify keeps the server from starting); entries are verified when they are grafted."""
+    model = load_model(config.model)
+    profile = current_profile(config.profile)
+    libraries = []
+    for directory in config.libraries:
+        trust = config.trust
+        library = Library.open(directory, model, profile, trusted=trust.keys if trust else None,
+                               insecure_skip_verify=bool(trust and trust.skip))
+        library.prefix()
+        libraries.append(library)
+    return _Served(config, model, profile, libraries, created=int(time.time()))
+
+
+@dataclass
+class StartupEdge:
+    """ASGI wrapper around the app (uvicorn runs this): a lifespan startup failure is reported as
+    its one-line error (``failure``), not as the traceback Litestar formats."""
+
+    inner: ASGIApp
+    failure: StartupFailure
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.inner(scope, receive, send)
+            return
+
+        async def one_line(message: Message) -> None:
+            if message["type"] == "lifespan.startup.failed" and self.failure.error is not None:
+                message = {**message, "message": f"cannot start: {self.failure.error}"}
+            await send(message)
+
+        await self.inner(scope, receive, one_line)
+
+
+def create_app(config: ServeConfig, *, failure: StartupFailure | None = None) -> Litestar:
+    """The app serving ``config``. Its lifespan loads the model and the libraries (off the event
+    loop), starts the one model worker, and on shutdown ends every decoding at its next token.
+    A ``KvgraftError`` while loading is left in ``failure`` (for ``serve_engine`` to raise)."""
+    holder = failure if failure is not None else StartupFailure()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        try:
+            served = await anyio.to_thread.run_sync(_load, config)
+        except KvgraftError as e:
+            holder.error = e
+            raise
+        send, receive = anyio.create_memory_object_stream[_Job](max_buffer_size=config.settings.max_queue)
+        served.queue = send
+        app.state.served = served
+        logger.info("serving %s with %d libraries (%d entries)", config.model, len(served.libraries),
+                    sum(len(lib.entries) for lib in served.libraries))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_worker, served, receive)
+            try:
+                yield
+            finally:
+                served.stopping = True
+                send.close()  # the worker skips what is queued, then ends
+
+    return Litestar(
+        route_handlers=[list_models, health, chat_completions, completions],
+        lifespan=[lifespan],
+        exception_handlers={EngineServerError: _server_error, HTTPException: _http_error, Exception: _internal_error},
+        # The app logs through "kvgraft.engine.serve"; serve_engine configures the process's logging.
+        logging_config=None,
+        openapi_config=None,
+    )
