@@ -211,23 +211,18 @@ def wait_http(port: int, path: str, seconds: float = 60.0, *, proc: subprocess.P
 
 
 @contextlib.contextmanager
-def kvgraft_serve(data: Path, extra: list[str]) -> Iterator[int]:
-    """``kvgraft serve --data DATA EXTRA`` on 127.0.0.1 at a free port (its log in ``DATA/../serve.log``),
-    answering before this yields the port; stopped with SIGTERM (then SIGKILL after 30 s) on exit."""
+def server_process(argv: list[str], log_path: Path, port: int, ready_path: str, *, seconds: float = 60.0) -> Iterator[int]:
+    """Run ``argv`` (its output in ``log_path``) until ``GET ready_path`` answers on 127.0.0.1:``port``
+    (at most ``seconds``), yield the port, and stop it with SIGTERM (then SIGKILL after 30 s) on exit."""
     import signal
 
-    port = free_port()
-    log_path = data.parent / "serve.log"
     with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [*KVGRAFT, "serve", "--data", str(data), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *extra],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         try:
             try:
-                wait_http(port, "/v1/log/checkpoint", proc=proc)
+                wait_http(port, ready_path, seconds, proc=proc)
             except SystemExit as e:
-                raise SystemExit(f"kvgraft serve: {e} (see {log_path})") from e
+                raise SystemExit(f"{Path(argv[0]).name}: {e} (see {log_path})") from e
             yield port
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -236,3 +231,13 @@ def kvgraft_serve(data: Path, extra: list[str]) -> Iterator[int]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@contextlib.contextmanager
+def kvgraft_serve(data: Path, extra: list[str]) -> Iterator[int]:
+    """``kvgraft serve --data DATA EXTRA`` on 127.0.0.1 at a free port (its log in ``DATA/../serve.log``),
+    answering before this yields the port; stopped with SIGTERM (then SIGKILL after 30 s) on exit."""
+    port = free_port()
+    argv = [*KVGRAFT, "serve", "--data", str(data), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *extra]
+    with server_process(argv, data.parent / "serve.log", port, "/v1/log/checkpoint") as ready:
+        yield ready

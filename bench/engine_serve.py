@@ -35,19 +35,16 @@ import argparse
 import http.client
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from common import KVGRAFT, QUICK, ROOT, figure, free_port, median, percentile, say, wait_http, write_result
+from common import KVGRAFT, QUICK, ROOT, figure, free_port, median, percentile, say, server_process, write_result
 
 TARGET_RECALL_P50_S = 0.3
 TARGET_RECALL_SPEEDUP = 20.0
@@ -67,26 +64,6 @@ def _run(*args: str | Path) -> dict[str, Any]:
     if done.returncode != 0:
         raise SystemExit(f"kvgraft {' '.join(map(str, args[:3]))} failed: {done.stderr.strip()[-600:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
-
-
-@contextmanager
-def _process(argv: list[str], log_path: Path, port: int, ready_path: str) -> Iterator[int]:
-    """A server process answering ``GET ready_path`` on ``port``; SIGTERM (then SIGKILL) when the block ends."""
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            try:
-                wait_http(port, ready_path, seconds=600, proc=proc)
-            except SystemExit as e:
-                raise SystemExit(f"{argv[0]}: {e} (see {log_path})") from e
-            yield port
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def _post(conn: http.client.HTTPConnection, path: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -193,10 +170,10 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any
              "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "4096"]
     rows = []
     with (
-        _process([*serve, "--library", str(library), "--trusted-keys", str(trust), "--port", str(ports["library"])],
-                 tmp / "serve-library.log", ports["library"], "/v1/models"),
-        _process([*serve, "--port", str(ports["base"])], tmp / "serve-base.log", ports["base"], "/v1/models"),
-        _process([*llama, "--port", str(ports["llama"])], tmp / "llama.log", ports["llama"], "/v1/models"),
+        server_process([*serve, "--library", str(library), "--trusted-keys", str(trust), "--port", str(ports["library"])],
+                 tmp / "serve-library.log", ports["library"], "/v1/models", seconds=600),
+        server_process([*serve, "--port", str(ports["base"])], tmp / "serve-base.log", ports["base"], "/v1/models", seconds=600),
+        server_process([*llama, "--port", str(ports["llama"])], tmp / "llama.log", ports["llama"], "/v1/models", seconds=600),
     ):
         targets = {
             "recall": Target("recall", ports["library"], name, deposited, args.max_tokens),

@@ -294,6 +294,18 @@ def _publish_until_accepted(server: Server, token: str, alice: Key, what: str, b
         time.sleep(0.1)
 
 
+def _refused_naming(server: Server, sequencer: Server, token: str, alice: Key, what: str, *, bound: float) -> None:
+    """Publishes through ``server`` are refused (503) until, within ``bound`` seconds, the refusal names ``sequencer``."""
+    deadline = time.monotonic() + bound
+    while True:
+        r = _publish(server, token, artifact(what), alice)
+        assert r.status_code == 503, r.text
+        if f"the sequencer is process {sequencer.pid}" in r.json()["detail"]:
+            return
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.1)
+
+
 def test_a_sequencer_cut_off_from_its_lease_steps_down(
     cluster: tuple[list[Server], str, str], keys: dict[str, Key]
 ) -> None:
@@ -308,14 +320,8 @@ def test_a_sequencer_cut_off_from_its_lease_steps_down(
         ).fetchall()
     assert ended == [(True,)]
     doc, _ = _publish_until_accepted(second, token, alice, "after the cut", HANDOVER_BOUND)
-    deadline = time.monotonic() + 5
-    while True:  # the one cut off refuses at once, and names the new sequencer once it has looked (0.5 s)
-        r = _publish(first, token, artifact("to the one cut off"), alice)
-        assert r.status_code == 503, r.text
-        if f"the sequencer is process {second.pid}" in r.json()["detail"]:
-            break
-        assert time.monotonic() < deadline, r.text
-        time.sleep(0.1)
+    # The one cut off refuses at once, and names the new sequencer once it has looked (0.5 s).
+    _refused_naming(first, second, token, alice, "to the one cut off", bound=5)
     assert httpx.get(f"{first.url}/v1/entries/{doc['entry']['log_index']}", timeout=10).status_code == 200
 
 
@@ -346,14 +352,8 @@ def test_a_stopped_sequencer_kept_the_lease_for_good(postgres: PostgresServer, t
             os.kill(first.pid, signal.SIGCONT)
         # What the stopped process held was not logged by it: refused, or (sent again by nobody) absent.
         assert r.status_code == 503, r.text
-        deadline = time.monotonic() + 10
-        while True:  # the one that was stopped follows, and names the new sequencer
-            r = _publish(first, token, artifact("to the one that was stopped"), alice)
-            assert r.status_code == 503, r.text
-            if f"the sequencer is process {second.pid}" in r.json()["detail"]:
-                break
-            assert time.monotonic() < deadline, r.text
-            time.sleep(0.1)
+        # The one that was stopped follows, and names the new sequencer.
+        _refused_naming(first, second, token, alice, "to the one that was stopped", bound=10)
         with RegistryClient(first.url, memory=memory) as client:
             now, _ = client.signed_head(registry_key(client, data / "registry-key.pub.pem"))  # consistent with before
         assert before.size == 1 and now.size == 2
