@@ -38,12 +38,23 @@ from ._internal.errors import (
     UnknownModelError,
     UnsafeTensorError,
 )
-from ._internal.evaluate import EvalRun, run_eval, run_replay, select, write_pre_registration
+from ._internal.evaluate import EvalRun, journal_path, run_eval, run_replay, select, write_pre_registration
 from ._internal.exactness import run_exactness, summary_table
 from ._internal.kernel_errors import KernelError, ScheduleError
 from ._internal.kvfile import deserialize, read_kv_file, serialize
 from ._internal.kvstate import KVState, Segment
-from ._internal.library import NOTHING_GRAFTED, Answer, Hit, Library, ask_model, clean_solution, lookup_all, read_meta
+from ._internal.library import (
+    NOTHING_GRAFTED,
+    Answer,
+    Hit,
+    Library,
+    ProblemIndex,
+    ask_model,
+    clean_solution,
+    lookup_all,
+    read_meta,
+    worked_solution,
+)
 from ._internal.models import (
     MODELS,
     LoadedModel,
@@ -89,5 +100,5 @@ __all__ = [
     "EvalRun", "clean_solution", "read_meta", "run_eval", "run_exactness", "run_replay", "select", "summary_table",
     "write_pre_registration", "Wheel", "install", "install_hint",
     "ContextWindowError", "EngineServerConfigError", "EngineServerError", "NOTHING_GRAFTED", "ServeConfig", "ServeSettings",
-    "ask_model", "create_engine_app", "lookup_all", "serve_engine",
+    "ask_model", "create_engine_app", "lookup_all", "serve_engine", "ProblemIndex", "worked_solution", "journal_path",
 ]

@@ -9,12 +9,14 @@ command in a fresh process and records whether every output hash came back.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,11 +36,14 @@ from kvgraft.schemas import (
     PreRegistrationStatement,
     ReplayPredicate,
     ReplayStatement,
+    Sha256Digest,
     Sha256Hex,
     Statement,
     Subject,
     SubjectDigest,
+    canonical_json,
     hex_of,
+    parse_json,
     sha256_bytes,
     statement_unverified,
     write_staged_directory,
@@ -61,9 +66,9 @@ from kvgraft.verifier import (
 )
 
 from .errors import EvaluationError
-from .library import INSTRUCTION, EnergyMeter, Library, question_text, stop_after_boxed
+from .library import INSTRUCTION, EnergyMeter, Hit, Library, question_text, stop_after_boxed
 from .models import LoadedModel
-from .ops import continue_from
+from .ops import Decoded, DecodeJob, continue_from, decode_batch
 
 
 def select(dataset: Dataset, limit: int | None, seed: int | None) -> list[int]:
@@ -100,6 +105,116 @@ def _subject(name: str, data: bytes) -> Subject:
     return Subject(name=name, digest=SubjectDigest(sha256=hex_of(sha256_bytes(data))))
 
 
+#: The format of an evaluation's progress journal (``OUT.journal.jsonl``).
+JOURNAL_FORMAT = "kvgraft-eval-journal/v1"
+#: The longest journal line read back (one problem's prompt and output: far below this).
+MAX_JOURNAL_LINE_BYTES = 4 << 20
+
+
+def journal_path(out: Path) -> Path:
+    """Where the evaluation writing ``out`` journals its finished items: ``OUT.journal.jsonl``,
+    beside the record directory (which appears only when complete)."""
+    return out.with_name(out.name + ".journal.jsonl")
+
+
+@dataclass(frozen=True)
+class _Done:
+    """A finished item as the journal keeps it: enough to grade, hash and count it again."""
+
+    doc_id: int
+    prompt: str
+    output: str
+    prompt_tokens: int
+    decode_tokens: int
+    entry: str | None
+    stopped_by: str
+    seconds: float
+    joules: float
+    energy_method: str
+
+
+class _Journal:
+    """An evaluation's finished items, one JSON line each after a header naming the run, fsynced
+    as each item ends: a run stopped at any point resumes with the items it had finished.
+
+    The header is the run's identity (model, profile, dataset digest, the items drawn, mode,
+    library, budget, batch); a journal of another run is refused, never mixed in. A last line
+    cut short by a crash is dropped (and cut off the file) before new lines are appended.
+    """
+
+    def __init__(self, path: Path, identity: dict[str, Any]) -> None:
+        self.path = path
+        self.done: dict[int, _Done] = {}
+        self.header = canonical_json({"format": JOURNAL_FORMAT, "run": identity})
+        keep = 0
+        if path.exists():
+            keep = self._read()
+        try:
+            self._file = path.open("r+b" if path.exists() else "wb")
+            self._file.truncate(keep)
+            self._file.seek(keep)
+            if keep == 0:
+                self._append(self.header)
+        except OSError as e:
+            raise EvaluationError(f"cannot write the evaluation journal {path}: {e.strerror}",
+                                  hint="choose an --out whose directory is writable") from e
+
+    def _read(self) -> int:
+        """Load the finished items; the byte length of the complete lines."""
+        stale = f"delete {self.path} to start the evaluation again, or choose another --out"
+        with self.path.open("rb") as f:
+            header = f.readline(MAX_JOURNAL_LINE_BYTES + 1)
+            if not header.endswith(b"\n"):
+                return 0  # not even the header was finished: start afresh
+            if header.rstrip(b"\n") != self.header:
+                raise EvaluationError(f"{self.path} is the journal of another evaluation (other model, profile, "
+                                      "dataset, items, library, budget or batch)", hint=stale)
+            keep, n = len(header), 1
+            while True:
+                n += 1
+                line = f.readline(MAX_JOURNAL_LINE_BYTES + 1)
+                if not line.endswith(b"\n"):
+                    if len(line) > MAX_JOURNAL_LINE_BYTES:
+                        raise EvaluationError(f"{self.path} line {n} is longer than {MAX_JOURNAL_LINE_BYTES} bytes",
+                                              hint=stale)
+                    return keep
+                try:
+                    done = _Done(**parse_json(line, what=f"{self.path} line {n}"))
+                except (DocumentError, TypeError) as e:
+                    raise EvaluationError(f"{self.path} line {n} is not a finished item: {e}", hint=stale) from e
+                self.done[done.doc_id] = done
+                keep += len(line)
+
+    def _append(self, line: bytes) -> None:
+        self._file.write(line + b"\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def add(self, done: _Done) -> None:
+        """Record ``done`` durably."""
+        try:
+            self._append(canonical_json(dataclasses.asdict(done)))
+        except OSError as e:
+            raise EvaluationError(f"cannot write the evaluation journal {self.path}: {e.strerror}",
+                                  hint="free some disk space and run the same command again: it resumes") from e
+        self.done[done.doc_id] = done
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass(frozen=True)
+class _Question:
+    """One problem set up to be answered: its prompt, the decoding to run, and the entry grafted."""
+
+    doc_id: int
+    prompt: str
+    job: DecodeJob
+    #: Text before the decoded tokens in the output (a recall's opening brace).
+    head: str
+    entry: str | None
+
+
 def run_eval(
     model: LoadedModel,
     profile: DeterminismProfile,
@@ -108,64 +223,80 @@ def run_eval(
     *,
     key: Path,
     library: Library | None = None,
+    fixed_entry: Sha256Digest | None = None,
     max_new_tokens: int = 256,
     limit: int | None = None,
     seed: int | None = None,
+    batch: int = 1,
     passphrase: bytes | None = None,
     on_item: Callable[[int, int, EvaluationItem], None] | None = None,
 ) -> EvalRun:
-    """Evaluate ``model`` on ``dataset_path`` (from ``library`` when given) and write the signed record."""
+    """Evaluate ``model`` on ``dataset_path`` and write the signed record.
+
+    Each problem is answered by the base model (instruction + problem, from an empty state), or
+    from ``library`` (``Library.ask``: recall, the most similar entry, or the prefix alone), or,
+    with ``fixed_entry`` (an entry's artifact digest), with that one entry grafted before every
+    problem: the control of "a worked example, but not a related one".
+
+    ``batch`` > 1 decodes that many problems per forward pass (``decode_batch``; the answers
+    are those of a batched run: reproducible for the same command, see ``KVBatch``); 1 decodes
+    one at a time, as every evaluation before did. Finished items are journaled in
+    ``journal_path(out)``: the same command run again resumes there; the journal is removed
+    once the record is written.
+    """
     if max_new_tokens < 1:
         raise EvaluationError(f"--max-new-tokens {max_new_tokens} is not positive", hint="e.g. --max-new-tokens 256")
+    if batch < 1:
+        raise EvaluationError(f"--batch {batch} is not positive", hint="e.g. --batch 16 (1 decodes one problem at a time)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise EvaluationError(f"{out} already exists and is not an empty directory", hint="choose a new --out directory")
     dataset = load_dataset(dataset_path)
     if library is not None and library.meta["kind"] != dataset.kind:
         raise EvaluationError(f"{dataset.name} is a {dataset.kind} dataset; the library holds {library.meta['kind']} problems",
                               hint="evaluate with a library of the same kind of problems")
+    fixed: Hit | None = None
+    if fixed_entry is not None:
+        if library is None:
+            raise EvaluationError("--library-entry names an entry of a library, but no --library was given",
+                                  hint="pass the --library that holds it")
+        match = [e for e in library.entries if e.artifact == fixed_entry]
+        if not match:
+            raise EvaluationError(f"library {library.directory} holds no entry {fixed_entry}",
+                                  hint=f"pass the artifact digest of one of its entries ({library.directory}/index.jsonl)")
+        fixed = Hit(match[0], "fixed", 0.0)
     doc_ids = select(dataset, limit, seed)
-    meter = EnergyMeter(sum(p.numel() for p in model.module.parameters()))
-    meter.start()
-    t0 = time.perf_counter()
-    items: list[EvaluationItem] = []
-    lines: list[OutputLine] = []
-    tokens_run = 0
-    for n, doc_id in enumerate(doc_ids):
-        question = dataset.question(doc_id)
-        if library is not None:
-            answer = library.ask(question, max_new_tokens=max_new_tokens)
-            prompt, output, entry = answer.prompt, answer.text, answer.entry
-            prompt_tokens, decode_tokens = answer.prompt_tokens, answer.decode_tokens
-        else:
-            prompt = INSTRUCTION + question_text(question)
-            ids = model.tokenizer.encode(prompt, first=True)
-            # From an empty state, decoded as Library.ask decodes (EOS ends the output, not part of it).
-            decoded = continue_from(model, profile, None, ids, max_new_tokens=max_new_tokens, keep_eos=False,
-                                    stop=stop_after_boxed)
-            output, decode_tokens = decoded.text, len(decoded.tokens)
-            prompt_tokens, entry = len(ids), None
-        tokens_run += prompt_tokens + decode_tokens
-        graded = grade(dataset, doc_id, output)
-        hashes = harness_hashes(dataset.docs[doc_id], prompt, dataset.target(doc_id))
-        item = EvaluationItem(
-            doc_id=doc_id, doc_hash=hashes.doc_hash, prompt_hash=hashes.prompt_hash, target_hash=hashes.target_hash,
-            output_hash=output_hash(output), extracted_answer=graded.extracted,
-            correct=graded.correct, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, library_entry=entry,
-        )
-        items.append(item)
-        lines.append(OutputLine(doc_id, prompt, output))
-        if on_item is not None:
-            on_item(n, len(doc_ids), item)
-    seconds = time.perf_counter() - t0
-    joules, energy_method = meter.stop(tokens_run)
-    outputs = outputs_file_bytes(lines)
+    mode = "base" if library is None else "fixed" if fixed is not None else "library"
     settings: dict[str, str | int | float | bool | None] = {
-        "mode": "library" if library is not None else "base",
-        "max_new_tokens": max_new_tokens, "limit": limit, "seed": seed,
+        "mode": mode, "max_new_tokens": max_new_tokens, "limit": limit, "seed": seed, "batch": batch,
         "instruction_sha256": hex_of(sha256_bytes(INSTRUCTION.encode("utf-8"))),
         "library_prefix": library.meta["prefix_artifact"] if library is not None else None,
         "library_entries": len(library.entries) if library is not None else None,
+        "library_entry_fixed": fixed_entry,
+    }
+    journal = _Journal(journal_path(out), {
+        "model": model.ref.model_dump(mode="json"), "profile": profile.model_dump(mode="json"),
+        "dataset": dataset.digest, "doc_ids": doc_ids, "settings": settings,
+    })
+    try:
+        _answer_all(model, profile, dataset, [i for i in doc_ids if i not in journal.done], journal, library, fixed,
+                    max_new_tokens, batch, on_item, len(doc_ids))
+    finally:
+        journal.close()
+    done = [journal.done[i] for i in doc_ids]
+    items, lines = [], []
+    for d in done:
+        items.append(_item(dataset, d))
+        lines.append(OutputLine(d.doc_id, d.prompt, d.output))
+    seconds = sum(d.seconds for d in done)
+    joules = sum(d.joules for d in done)
+    energy_method = "measured" if done and all(d.energy_method == "measured" for d in done) else "estimated"
+    outputs = outputs_file_bytes(lines)
+    settings.update({
+        # How many answers the budget cut off: what says whether it bound.
+        "cut_off": sum(d.stopped_by == "max_new_tokens" for d in done),
         # Measured on the machine that ran it: signed, but not recomputable offline.
         "seconds": round(seconds, 3), "energy_joules": round(joules, 3), "energy_method": energy_method,
-    }
+    })
     statement = EvaluationStatement(
         subject=[_subject(OUTPUTS_FILE, outputs)],
         predicate=EvaluationPredicate(
@@ -177,7 +308,72 @@ def run_eval(
         ),
     )
     _write_record_dir(out, statement, {OUTPUTS_FILE: outputs}, key=key, passphrase=passphrase)
+    journal.path.unlink(missing_ok=True)
     return EvalRun(out, statement, seconds, joules, energy_method)
+
+
+def _item(dataset: Dataset, d: _Done) -> EvaluationItem:
+    """The graded, hashed record item of a finished answer."""
+    graded = grade(dataset, d.doc_id, d.output)
+    hashes = harness_hashes(dataset.docs[d.doc_id], d.prompt, dataset.target(d.doc_id))
+    return EvaluationItem(
+        doc_id=d.doc_id, doc_hash=hashes.doc_hash, prompt_hash=hashes.prompt_hash, target_hash=hashes.target_hash,
+        output_hash=output_hash(d.output), extracted_answer=graded.extracted, correct=graded.correct,
+        prompt_tokens=d.prompt_tokens, decode_tokens=d.decode_tokens,
+        library_entry=Sha256Digest(d.entry) if d.entry is not None else None,
+    )
+
+
+def _question(model: LoadedModel, dataset: Dataset, doc_id: int, library: Library | None, fixed: Hit | None,
+              max_new_tokens: int) -> _Question:
+    question = dataset.question(doc_id)
+    if library is None:
+        prompt = INSTRUCTION + question_text(question)
+        ids = model.tokenizer.encode(prompt, first=True)
+        # From an empty state, decoded as Library.ask decodes (EOS ends the output, not part of it).
+        job = DecodeJob(None, ids, max_new_tokens, keep_eos=False, stop=stop_after_boxed)
+        return _Question(doc_id, prompt, job, "", None)
+    plan = library.plan(question, fixed or library.lookup(question), max_new_tokens=max_new_tokens)
+    return _Question(doc_id, plan.prompt, plan.job(), plan.head, plan.hit.entry.artifact if plan.hit else None)
+
+
+def _answer_all(model: LoadedModel, profile: DeterminismProfile, dataset: Dataset, doc_ids: list[int], journal: _Journal,
+                library: Library | None, fixed: Hit | None, max_new_tokens: int, batch: int,
+                on_item: Callable[[int, int, EvaluationItem], None] | None, total: int) -> None:
+    """Answer ``doc_ids`` (one at a time, or ``batch`` per forward pass) into ``journal``."""
+    meter = EnergyMeter(sum(p.numel() for p in model.module.parameters()))
+    clock = [time.perf_counter()]
+    meter.start()
+
+    def finish(q: _Question, decoded: Decoded) -> None:
+        # Time and energy since the last item ended: summed, they are the run's.
+        now = time.perf_counter()
+        joules, method = meter.stop(len(q.job.suffix_ids) + len(decoded.tokens))
+        meter.start()
+        done = _Done(doc_id=q.doc_id, prompt=q.prompt, output=q.head + decoded.text, prompt_tokens=len(q.job.suffix_ids),
+                     decode_tokens=len(decoded.tokens), entry=q.entry, stopped_by=decoded.stopped_by,
+                     seconds=round(now - clock[0], 6), joules=joules, energy_method=method)
+        clock[0] = now
+        journal.add(done)
+        if on_item is not None:
+            on_item(len(journal.done) - 1, total, _item(dataset, done))
+
+    if batch == 1:
+        for doc_id in doc_ids:
+            q = _question(model, dataset, doc_id, library, fixed, max_new_tokens)
+            j = q.job
+            finish(q, continue_from(model, profile, j.artifact, j.suffix_ids, max_new_tokens=j.max_new_tokens,
+                                    keep_eos=j.keep_eos, stop=j.stop))
+        return
+    questions: list[_Question] = []
+
+    def jobs() -> Iterator[DecodeJob]:
+        # Set up lazily, as rows free up: an entry's artifact is loaded (and verified) only then.
+        for doc_id in doc_ids:
+            questions.append(_question(model, dataset, doc_id, library, fixed, max_new_tokens))
+            yield questions[-1].job
+
+    decode_batch(model, profile, jobs(), batch=batch, on_done=lambda i, decoded: finish(questions[i], decoded))
 
 
 # --- reading records ------------------------------------------------------------------------------
@@ -224,6 +420,10 @@ def eval_command(statement: EvaluationStatement, dataset_path: Path, library: Pa
         cmd += ["--seed", str(s["seed"])]
     if library is not None:
         cmd += ["--library", str(library)]
+    if s.get("library_entry_fixed") is not None:
+        cmd += ["--library-entry", str(s["library_entry_fixed"])]
+    if s.get("batch", 1) != 1:
+        cmd += ["--batch", str(s["batch"])]
     return cmd
 
 

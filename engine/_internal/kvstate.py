@@ -143,6 +143,118 @@ class KVState:
         return state
 
 
+class KVBatch:
+    """Several sequences' states run together, one token per row per forward pass: how an
+    evaluation decodes many problems per pass (``ops.decode_batch``), where one sequence at a
+    time would read every weight once per token.
+
+    A row joins as a ``KVState`` that was prefilled alone (``add``: its cache is copied in; the
+    state itself is left as it was) and leaves when its decoding ends (``remove``). The rows'
+    caches are stacked along the batch dimension, each left-padded to the longest; a padded
+    slot is masked out of attention and each row's token runs at the row's own next position
+    (RoPE sees ``ends[r]``, never the padded length), so every row computes what it would alone
+    up to the kernels' reduction order, which depends on the batch's shape. Results are
+    therefore reproducible for the same schedule of joins and leaves, not equal bit for bit
+    to a one-row run: no exactness claim rests on a batch, and no artifact is captured from one.
+
+    ``step`` is the one update path. Only full-attention models batch: a sliding-window layer
+    counts padded slots as positions seen.
+    """
+
+    def __init__(self, model: LoadedModel) -> None:
+        if model.sliding_window is not None:
+            raise ArtifactError(
+                f"{model.spec.name} has sliding-window layers, which cannot hold left-padded rows",
+                hint="decode it one problem at a time (batch 1)",
+            )
+        self.model = model
+        self.cache = DynamicCache(config=model.module.config)
+        #: 1 where a row holds a real position, 0 where it is padded: ``[rows, held]``.
+        self.mask = torch.zeros(0, 0, dtype=torch.long)
+        #: Each row's own length: the position its next token runs at.
+        self.ends: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def add(self, state: KVState) -> None:
+        """Append ``state`` as the last row (its shift must be 0: batches run at own positions)."""
+        if state.shift:
+            raise ArtifactError("a shifted state cannot join a batch", hint="decode shifted grafts one at a time")
+        if state.end + 1 > self.model.spec.window:
+            raise ArtifactError(f"a state of {state.end} positions has no room left in the window",
+                                hint="decode it alone; it can take no token")
+        rows, held = self.mask.shape
+        width = max(held, state.end)
+        for mine, theirs in zip(_layers(self.cache), _layers(state.cache), strict=True):
+            if theirs.keys is None or theirs.values is None:
+                raise ArtifactError("an empty state cannot join a batch", hint="run its prompt first")
+            keys = _left_pad(theirs.keys, width)  # [1, h, end, d] -> [1, h, width, d]
+            values = _left_pad(theirs.values, width)
+            if rows and mine.keys is not None and mine.values is not None:
+                keys = torch.cat([_left_pad(mine.keys, width), keys])  # [rows, h, width, d] + [1, ...] -> [rows + 1, ...]
+                values = torch.cat([_left_pad(mine.values, width), values])
+            else:
+                mine.lazy_initialization(keys, values)
+            mine.keys, mine.values = keys, values
+        row = torch.cat([torch.zeros(width - state.end, dtype=torch.long), torch.ones(state.end, dtype=torch.long)])  # [width]
+        self.mask = torch.cat([_left_pad(self.mask, width, dim=1), row[None, :]])  # [rows + 1, width]
+        self.ends.append(state.end)
+
+    def remove(self, rows: list[int]) -> None:
+        """Drop ``rows`` (indices into the current rows); the rest keep their order. Columns no
+        remaining row holds are dropped from the left."""
+        gone = set(rows)
+        keep = [r for r in range(len(self.ends)) if r not in gone]
+        if len(keep) == len(self.ends):
+            return
+        if not keep:
+            self.cache = DynamicCache(config=self.model.module.config)
+            self.mask = torch.zeros(0, 0, dtype=torch.long)
+            self.ends = []
+            return
+        index = torch.tensor(keep, dtype=torch.long)
+        mask = self.mask.index_select(0, index)  # [rows, held] -> [kept, held]
+        first = int(mask.any(dim=0).nonzero()[0])  # the first column a kept row holds
+        for layer in _layers(self.cache):
+            if layer.keys is not None and layer.values is not None:
+                layer.keys = layer.keys.index_select(0, index)[:, :, first:, :]  # [kept, h, held - first, d]
+                layer.values = layer.values.index_select(0, index)[:, :, first:, :]
+        self.mask = mask[:, first:]
+        self.ends = [self.ends[r] for r in keep]
+
+    def step(self, tokens: list[int]) -> torch.Tensor:
+        """Run ``tokens[r]`` on row ``r`` at position ``ends[r]``, all rows in one forward pass.
+
+        Returns the rows' logits, float32 ``[rows, vocab]``.
+        """
+        if len(tokens) != len(self.ends) or not tokens:
+            raise ArtifactError(f"{len(tokens)} tokens for a batch of {len(self.ends)} rows",
+                                hint="pass one token per row")
+        if max(self.ends) + 1 > self.model.spec.window:
+            raise ArtifactError(f"a row would pass {self.model.spec.name}'s window of {self.model.spec.window}",
+                                hint="remove rows that have reached the window")
+        rows = len(tokens)
+        input_ids = torch.tensor(tokens, dtype=torch.long)[:, None]  # [rows, 1]
+        position_ids = torch.tensor(self.ends, dtype=torch.long)[:, None]  # [rows, 1]
+        mask = torch.cat([self.mask, torch.ones(rows, 1, dtype=torch.long)], dim=1)  # [rows, held + 1]
+        out = self.model.module(input_ids=input_ids, cache=self.cache, attention_mask=mask, position_ids=position_ids,
+                                use_cache=True)
+        self.mask = mask
+        self.ends = [e + 1 for e in self.ends]
+        return out.logits[:, -1].to(torch.float32)  # [rows, 1, vocab] -> [rows, vocab]
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int = -2) -> torch.Tensor:
+    """``t`` with zeros prepended along ``dim`` up to ``width`` (itself when already that wide)."""
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
 def _layers(cache: DynamicCache) -> list[DynamicLayer]:
     """The cache's layers, typed: for the architectures kvgraft runs, ``DynamicCache`` builds only
     ``DynamicLayer`` (full attention) and its subclass ``DynamicSlidingWindowLayer``, never the

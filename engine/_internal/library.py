@@ -53,7 +53,7 @@ from kvgraft.verifier import Dataset, TrustedKeys, extract_answer, grade, write_
 from .artifacts import LoadedArtifact, load_artifact
 from .errors import ContextWindowError, InputTextError, LibraryError, NoTrustedKeysError
 from .models import LoadedModel
-from .ops import Decoded, capture, continue_from
+from .ops import Decoded, DecodeJob, capture, continue_from
 from .trust import trust_signer
 
 FORMAT = "kvgraft-library/v1"
@@ -244,6 +244,32 @@ class _TextIndex:
         return i, score(i) / qnorm
 
 
+class ProblemIndex:
+    """The library's similarity rule over any list of problem texts: TF-IDF cosine over words,
+    as ``Library.lookup`` scores entries (``best``: the most similar problem and its score,
+    0..1; None when no problem shares a word with the query). An experiment uses it to pick
+    library entries without depositing a whole dataset."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self._index = _TextIndex()
+        for problem in problems:
+            self._index.add(problem)
+
+    def best(self, query: str) -> tuple[int, float] | None:
+        """``(index of the most similar problem, cosine)``, the earlier problem on a tie."""
+        return self._index.best(query)
+
+
+def worked_solution(dataset: Dataset, index: int) -> str | None:
+    """The solution a deposit stores for problem ``index`` from the dataset's own worked
+    solution (calculator annotations removed, the key's answer stated last), or None when the
+    dataset has none for it."""
+    solution = dataset.solution(index)
+    if solution is None:
+        return None
+    return clean_solution(solution) + f"\nThe answer is {dataset.reference(index)}."
+
+
 # --- answers ------------------------------------------------------------------------------------
 
 
@@ -303,13 +329,9 @@ def _parameters(model: LoadedModel) -> int:
     return sum(p.numel() for p in model.module.parameters())
 
 
-def _decode(model: LoadedModel, profile: DeterminismProfile, artifact: LoadedArtifact | None, ids: list[int], *,
-            budget: int, own: Callable[[str], bool] | None, extra: Callable[[str], bool] | None, head: str) -> Decoded:
-    """``continue_from`` (the engine's one decode loop) with the answer's stop rule: the
-    library's ``own`` rule on the decoded text, OR-ed with the caller's ``extra`` on the answer's
-    text (``head`` + decoded). A question that does not fit the model's window after what is
-    grafted is refused before anything runs (``ContextWindowError``)."""
-    start = 0 if artifact is None else artifact.statement.predicate.positions.end
+def _check_window(model: LoadedModel, start: int, ids: list[int]) -> None:
+    """Refuse a question that does not fit the model's window after the ``start`` positions
+    grafted before it, before anything runs (``ContextWindowError``)."""
     window = model.spec.window
     if start + len(ids) > window:
         raise ContextWindowError(
@@ -318,12 +340,61 @@ def _decode(model: LoadedModel, profile: DeterminismProfile, artifact: LoadedArt
             hint=f"ask a question shorter than {max(window - start, 0)} tokens",
         )
 
+
+def _stop_rule(own: Callable[[str], bool] | None, extra: Callable[[str], bool] | None,
+               head: str) -> Callable[[str], bool] | None:
+    """The answer's stop rule: the library's ``own`` rule on the decoded text, OR-ed with the
+    caller's ``extra`` on the answer's text (``head`` + decoded)."""
+    if own is None and extra is None:
+        return None
+
     def stop(decoded: str) -> bool:
         return (own is not None and own(decoded)) or (extra is not None and extra(head + decoded))
 
-    # EOS ends the answer and is not part of it (nor counted in decode_tokens).
-    return continue_from(model, profile, artifact, ids, max_new_tokens=budget, keep_eos=False,
-                         stop=stop if own is not None or extra is not None else None)
+    return stop
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What answering one question runs (``Library.plan``), and how its output reads back."""
+
+    question: str
+    #: The dataset kind the answer is extracted by.
+    kind: str
+    hit: Hit | None
+    artifact: LoadedArtifact
+    #: The suffix's tokens, run after the artifact.
+    ids: list[int]
+    budget: int
+    own: Callable[[str], bool]
+    #: The answer's text before the decoded tokens (a recall's opening ``\\boxed{``).
+    head: str
+    #: The whole prompt's text: every grafted artifact's signed text, then the suffix.
+    prompt: str
+
+    def job(self, stop: Callable[[str], bool] | None = None) -> DecodeJob:
+        """The decoding to run, ``stop`` (on the answer's text) OR-ed with the plan's own rule.
+        EOS ends the answer and is not part of it (nor counted in decode_tokens)."""
+        return DecodeJob(self.artifact, self.ids, self.budget, keep_eos=False, stop=_stop_rule(self.own, stop, self.head))
+
+    def output(self, decoded: Decoded) -> str:
+        """The answer's text: a recall's output is its answer box, the prompt's opening brace
+        and the decoded tokens, so that any answer (a number or a word) is extracted from it by
+        the same rule."""
+        return self.head + decoded.text
+
+    def answer(self, decoded: Decoded, *, seconds: float, energy_joules: float, energy_method: str) -> Answer:
+        """The ``Answer`` of this plan decoded."""
+        text = self.output(decoded)
+        hit = self.hit
+        return Answer(
+            question=self.question, answer=extract_answer(self.kind, text), text=text, prompt=self.prompt,
+            entry=hit.entry.artifact if hit else None, method=hit.method if hit else "none", score=hit.score if hit else 0.0,
+            prompt_tokens=len(self.ids), decode_tokens=len(decoded.tokens),
+            context_tokens=self.artifact.statement.predicate.positions.end + len(self.ids),
+            seconds=seconds, energy_joules=energy_joules, energy_method=energy_method,
+            signature=self.artifact.signature, stopped_by=decoded.stopped_by,
+        )
 
 
 #: ``Answer.signature`` of an answer from the model alone: no artifact was grafted, none was checked.
@@ -342,7 +413,8 @@ def ask_model(model: LoadedModel, profile: DeterminismProfile, question: str, *,
     ids = model.tokenizer.encode(question, first=True)
     if not ids:
         raise InputTextError("the question tokenizes to no tokens", hint="ask a question with some text")
-    decoded = _decode(model, profile, None, ids, budget=max_new_tokens, own=None, extra=stop, head="")
+    _check_window(model, 0, ids)
+    decoded = continue_from(model, profile, None, ids, max_new_tokens=max_new_tokens, keep_eos=False, stop=stop)
     joules, method = energy.stop(len(ids) + len(decoded.tokens))
     return Answer(
         question=question, answer=None, text=decoded.text, prompt=question, entry=None, method="none", score=0.0,
@@ -573,6 +645,19 @@ class Library:
         instruction prefix alone); ``ask`` is ``lookup`` then this. ``stop`` as for ``ask``."""
         t0 = time.perf_counter()
         self._energy.start()
+        plan = self.plan(question, hit, max_new_tokens=max_new_tokens)
+        job = plan.job(stop)
+        decoded = continue_from(self.model, self.profile, job.artifact, job.suffix_ids, max_new_tokens=job.max_new_tokens,
+                                keep_eos=job.keep_eos, stop=job.stop)
+        joules, method = self._energy.stop(len(plan.ids) + len(decoded.tokens))
+        return plan.answer(decoded, seconds=time.perf_counter() - t0, energy_joules=joules, energy_method=method)
+
+    def plan(self, question: str, hit: Hit | None, *, max_new_tokens: int = 256) -> Plan:
+        """What answering ``question`` with ``hit`` runs, before anything runs: the artifact
+        grafted (verified and checked against the index here), the suffix after it and its
+        stop rule. ``hit`` None: the instruction prefix alone; method ``exact``: a recall;
+        any other method (``similar``, or ``fixed`` for an entry the caller chose): the entry
+        as a worked example before the question."""
         if hit is None:
             artifact = self.prefix()
             suffix, budget, own, head = question_text(question), max_new_tokens, stop_after_boxed, ""
@@ -583,20 +668,11 @@ class Library:
             artifact = self.load_entry(hit.entry)
             suffix, budget, own, head = question_text(question), max_new_tokens, stop_after_boxed, ""
         ids = self.model.tokenizer.encode(suffix, first=False)
-        decoded = _decode(self.model, self.profile, artifact, ids, budget=budget, own=own, extra=stop, head=head)
-        # A recall's output is its answer box: the prompt's opening brace and the decoded tokens,
-        # so that any answer (a number or a word) is extracted from it by the same rule.
-        text = head + decoded.text
-        joules, method = self._energy.stop(len(ids) + len(decoded.tokens))
+        _check_window(self.model, artifact.statement.predicate.positions.end, ids)
         # Every text in the chain is signed and present: prefix() and load_entry() compared them.
         prompt = "".join(a.statement.predicate.source_text.text or "" for a in artifact.chain) + suffix
-        return Answer(
-            question=question, answer=extract_answer(self.meta["kind"], text), text=text, prompt=prompt,
-            entry=hit.entry.artifact if hit else None, method=hit.method if hit else "none", score=hit.score if hit else 0.0,
-            prompt_tokens=len(ids), decode_tokens=len(decoded.tokens), context_tokens=artifact.statement.predicate.positions.end + len(ids),
-            seconds=time.perf_counter() - t0, energy_joules=joules, energy_method=method,
-            signature=artifact.signature, stopped_by=decoded.stopped_by,
-        )
+        return Plan(question=question, kind=self.meta["kind"], hit=hit, artifact=artifact, ids=ids, budget=budget,
+                    own=own, head=head, prompt=prompt)
 
     @property
     def stored_tokens(self) -> int:

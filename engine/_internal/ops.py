@@ -6,14 +6,16 @@ the continuation on the cache), so own-position exactness means equal logits byt
 
 Every decode goes one way: ``continue_from`` restores an artifact's chain into a ``KVState``
 (or starts empty), runs the suffix through ``KVState.extend`` and hands the last position's
-logits to ``greedy_decode``, the one decode loop (``generate``, ``Library.ask`` and
-``run_eval`` all use it).
+logits to ``greedy_decode``, the one decode loop of a single sequence (``generate``,
+``Library.ask`` and ``run_eval`` use it). ``decode_batch`` decodes many sequences per forward
+pass for evaluations; both follow ``DecodeRule``, the one rule of what a step keeps and when it
+ends.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -24,7 +26,7 @@ from kvgraft.schemas import DeterminismProfile
 
 from .artifacts import Captured, LoadedArtifact, logits_digest, write_artifact
 from .errors import InputTextError
-from .kvstate import KVState
+from .kvstate import KVBatch, KVState
 from .models import LoadedModel
 from .profiles import applied
 
@@ -151,6 +153,70 @@ class Decoded:
     stopped_by: StopReason
 
 
+class DecodeRule:
+    """One sequence's greedy decoding rule, fed one logits row at a time: the one rule of the
+    engine's decoding, which ``greedy_decode`` (one sequence) and ``decode_batch`` (many, one
+    forward pass per step) both follow.
+
+    ``next(row)`` takes the logits of the last position run (float32 ``[vocab]``) and, in this
+    order:
+
+    1. the next token is ``argmax`` of the row (the lowest id on a tie);
+    2. the tokenizer's EOS ends decoding (``stopped_by="eos"``); it is among the returned tokens
+       only when ``keep_eos`` (``generate`` reports it; the library and evaluations count only
+       the text's tokens);
+    3. otherwise the token is kept; ``stop(text so far)`` true ends decoding (``"stop"``);
+    4. a token whose position would pass the model's window ends decoding (``"window"``): it is
+       kept but never run;
+    5. the ``max_new_tokens``-th token (EOS included when kept) ends decoding
+       (``"max_new_tokens"``): kept, never run;
+    6. otherwise ``next`` returns the token, which the caller runs at position ``end`` and
+       whose logits it passes to the next call.
+
+    ``next`` returns None once decoding has ended; ``decoded()`` is then the result.
+    """
+
+    def __init__(self, model: LoadedModel, end: int, *, max_new_tokens: int, keep_eos: bool,
+                 stop: Callable[[str], bool] | None = None) -> None:
+        self.model = model
+        #: The position the next token runs at (the sequence's length so far).
+        self.end = end
+        self.max_new_tokens = max_new_tokens
+        self.keep_eos = keep_eos
+        self.stop = stop
+        self.tokens: list[int] = []
+        # A budget of no tokens has ended before it began.
+        self.stopped_by: StopReason | None = None if max_new_tokens > 0 else "max_new_tokens"
+
+    def next(self, row: torch.Tensor) -> int | None:
+        """The token to run next at position ``end``, or None when decoding has ended (see the class)."""
+        if self.stopped_by is not None:
+            return None
+        nxt = int(row.argmax())
+        if nxt == self.model.tokenizer.eos_token_id:
+            if self.keep_eos:
+                self.tokens.append(nxt)
+            self.stopped_by = "eos"
+            return None
+        self.tokens.append(nxt)
+        if self.stop is not None and self.stop(self.model.tokenizer.decode(self.tokens)):
+            self.stopped_by = "stop"
+        elif self.end + 1 > self.model.spec.window:
+            self.stopped_by = "window"
+        elif len(self.tokens) >= self.max_new_tokens:
+            self.stopped_by = "max_new_tokens"
+        else:
+            self.end += 1
+            return nxt
+        return None
+
+    def decoded(self) -> Decoded:
+        """What was decoded; only once ``next`` has returned None."""
+        if self.stopped_by is None:
+            raise RuntimeError("DecodeRule.decoded() called before decoding ended")
+        return Decoded(self.tokens, self.model.tokenizer.decode(self.tokens), self.stopped_by)
+
+
 def greedy_decode(
     state: KVState,
     logits: torch.Tensor,
@@ -160,42 +226,90 @@ def greedy_decode(
     stop: Callable[[str], bool] | None = None,
 ) -> Decoded:
     """Greedy decoding on ``state`` from ``logits`` (float32 ``[n, vocab]``; row ``-1`` is the
-    last position run). The one decode loop of the engine; call it under the profile's
-    ``applied`` (``continue_from`` does), as every forward pass runs.
-
-    Each step, in this order:
-
-    1. the next token is ``argmax`` of the last logits row (the lowest id on a tie);
-    2. the tokenizer's EOS ends decoding (``stopped_by="eos"``); it is among the returned tokens
-       only when ``keep_eos`` (``generate`` reports it; the library and evaluations count only
-       the text's tokens);
-    3. otherwise the token is kept; ``stop(text so far)`` true ends decoding (``"stop"``);
-    4. a token whose position would pass the model's window ends decoding (``"window"``): it is
-       returned but never run;
-    5. otherwise it runs (``state.extend([token])``) and its logits feed the next step.
-
-    At most ``max_new_tokens`` tokens (EOS included when kept), else ``"max_new_tokens"``.
-    """
-    model = state.model
-    eos = model.tokenizer.eos_token_id
-    tokens: list[int] = []
-    stopped_by: StopReason = "max_new_tokens"
-    for _ in range(max_new_tokens):
-        nxt = int(logits[-1].argmax())
-        if nxt == eos:
-            if keep_eos:
-                tokens.append(nxt)
-            stopped_by = "eos"
-            break
-        tokens.append(nxt)
-        if stop is not None and stop(model.tokenizer.decode(tokens)):
-            stopped_by = "stop"
-            break
-        if state.end + 1 > model.spec.window:
-            stopped_by = "window"
-            break
+    last position run), by ``DecodeRule``, each kept token run through ``state.extend``. Call it
+    under the profile's ``applied`` (``continue_from`` does), as every forward pass runs."""
+    rule = DecodeRule(state.model, state.end, max_new_tokens=max_new_tokens, keep_eos=keep_eos, stop=stop)
+    while (nxt := rule.next(logits[-1])) is not None:
         logits = state.extend([nxt])  # [1, vocab]
-    return Decoded(tokens, model.tokenizer.decode(tokens), stopped_by)
+    return rule.decoded()
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    """One sequence for ``decode_batch``: what ``continue_from`` takes, as a value."""
+
+    artifact: LoadedArtifact | None
+    suffix_ids: list[int]
+    max_new_tokens: int
+    keep_eos: bool
+    stop: Callable[[str], bool] | None = None
+
+
+def decode_batch(
+    model: LoadedModel,
+    profile: DeterminismProfile,
+    jobs: Iterable[DecodeJob],
+    *,
+    batch: int,
+    on_done: Callable[[int, Decoded], None],
+) -> None:
+    """Decode every job as ``continue_from`` would, up to ``batch`` of them per forward pass.
+
+    Each job is prefilled alone when a row is free (its artifact restored, its suffix run by
+    ``KVState.extend``) and joins a ``KVBatch``; every step runs one token per row in one pass
+    and feeds each row's logits to its own ``DecodeRule``; a row leaves when its rule ends, and
+    ``on_done(job index, decoded)`` is called then, in the order rows end. ``jobs`` is read
+    lazily, one job per free row, so only ``batch`` artifacts are held at a time.
+
+    The rows' numbers differ from a one-row run only by reduction order (see ``KVBatch``):
+    a batched evaluation is reproducible for the same jobs and ``batch``, and is not an
+    exactness claim. Own-position profiles only: the schedule-invariant kernels are fixed to one
+    row.
+    """
+    if batch < 1:
+        raise InputTextError(f"batch {batch} is not a positive number of rows", hint="pass --batch 1 or more")
+    if profile.exactness != "own-position":
+        raise InputTextError(f"profile {profile.name} is {profile.exactness}; batched decoding needs an own-position profile",
+                             hint="decode one problem at a time (batch 1) under this profile")
+    queue = iter(enumerate(jobs))
+    with applied(profile):
+        rows = KVBatch(model)
+        running: list[tuple[int, DecodeRule]] = []
+        tokens: list[int] = []  # the token each running row runs next
+        more = True
+        while True:
+            while more and len(running) < batch:
+                nxt_job = next(queue, None)
+                if nxt_job is None:
+                    more = False
+                    break
+                i, job = nxt_job
+                state = KVState(model) if job.artifact is None else KVState.restore(model, job.artifact.segments())
+                logits = state.extend(job.suffix_ids, keep_last=1)  # [1, vocab]
+                rule = DecodeRule(model, state.end, max_new_tokens=job.max_new_tokens, keep_eos=job.keep_eos, stop=job.stop)
+                first = rule.next(logits[-1])
+                if first is None:
+                    on_done(i, rule.decoded())
+                    continue
+                rows.add(state)
+                running.append((i, rule))
+                tokens.append(first)
+            if not running:
+                return
+            logits = rows.step(tokens)  # [rows, vocab]
+            ended: list[int] = []
+            tokens = []
+            for r, (i, rule) in enumerate(running):
+                nxt = rule.next(logits[r])
+                if nxt is None:
+                    ended.append(r)
+                    on_done(i, rule.decoded())
+                else:
+                    tokens.append(nxt)
+            if ended:
+                rows.remove(ended)
+                gone = set(ended)
+                running = [run for r, run in enumerate(running) if r not in gone]
 
 
 def continue_from(

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvgraft.schemas import LIBRARY_FILE, RECORD_FILE
+from kvgraft.schemas import LIBRARY_FILE, RECORD_FILE, InvalidDigestError, parse_sha256
 
 from ._common import ENGINE, ENGINE_CLIENT, CliError, add_command, needs, progress
 from .engine import (
@@ -57,13 +57,13 @@ def _solutions(args: argparse.Namespace, dataset: Dataset) -> dict[int, str]:
                 raise CliError(f"{args.solutions} line {n} is not a solution", hint=_SOLUTION_LINE)
             out[obj["doc_id"]] = obj["solution"]
         return out
-    from kvgraft.engine import clean_solution
+    from kvgraft.engine import worked_solution
 
     out = {}
     for i in range(len(dataset.docs)):
-        solution = dataset.solution(i)
+        solution = worked_solution(dataset, i)
         if solution is not None:
-            out[i] = clean_solution(solution) + f"\nThe answer is {dataset.reference(i)}."
+            out[i] = solution
         elif args.solutions_from_key:
             out[i] = f"The answer key gives \\boxed{{{dataset.reference(i)}}}."
     if not out:
@@ -223,8 +223,18 @@ def _cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         progress(not args.json, f"eval {n + 1}/{total}: doc {it.doc_id} answer {it.extracted_answer} "
                  f"{'correct' if it.correct else 'wrong'} ({it.decode_tokens} decode tokens)")
 
-    run = run_eval(model, profile, args.dataset, args.out, key=key, library=library, max_new_tokens=args.max_new_tokens,
-                   limit=args.limit, seed=args.seed, passphrase=passphrase, on_item=item)
+    fixed = None
+    if args.library_entry is not None:
+        if library is None:
+            raise CliError("--library-entry names an entry of a library, but no --library was given",
+                           hint="pass --library DIR with it")
+        try:
+            fixed = parse_sha256(args.library_entry)
+        except InvalidDigestError as e:
+            raise CliError(f"--library-entry: {e}", hint="pass an entry's artifact digest, as its library's index.jsonl lists it") from e
+    run = run_eval(model, profile, args.dataset, args.out, key=key, library=library, fixed_entry=fixed,
+                   max_new_tokens=args.max_new_tokens, limit=args.limit, seed=args.seed, batch=args.batch,
+                   passphrase=passphrase, on_item=item)
     a = run.statement.predicate.aggregates
     signature = None if library is None else SKIPPED if library.insecure_skip_verify else "verified"
     return {
@@ -340,6 +350,11 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     ev.add_argument("--dataset", type=Path, required=True)
     ev.add_argument("--out", type=Path, required=True, help="the record directory to create")
     ev.add_argument("--library", type=Path, help="answer from this library")
+    ev.add_argument("--library-entry", metavar="DIGEST",
+                    help="with --library: graft this entry (its artifact's sha256:...) before every problem, "
+                    "the control of an unrelated worked example")
+    ev.add_argument("--batch", type=int, default=1, metavar="N",
+                    help="decode N problems per forward pass (default 1: one at a time); a stopped run resumes")
     ev.add_argument("--max-new-tokens", type=int, default=256)
     ev.add_argument("--limit", type=int, help="the first N problems (or N drawn with --seed)")
     ev.add_argument("--seed", type=int, help="draw --limit problems with this seed")

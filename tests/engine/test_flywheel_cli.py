@@ -141,3 +141,33 @@ def test_refusals_are_one_line(tmp_path: Path, key: Path, capsys: pytest.Capture
     code, res, err = _run(capsys, "eval", "--model", "tiny-llama-test", "--dataset", bad, "--out", tmp_path / "e", "--key", key)
     assert code == 1 and err.startswith("kvgraft: ") and err.count("\n") == 1, err
     assert not (tmp_path / "e").exists()
+
+
+def test_eval_batch_and_library_entry_on_the_command_line(tmp_path: Path, key: Path, trust: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    gsm8k = _subset(tmp_path, DATA / "gsm8k_test.jsonl", 3)
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join((DATA / "gsm8k_train.jsonl").read_text().splitlines(keepends=True)[:2]))
+    lib = tmp_path / "lib"
+    code, res, err = _run(capsys, "library", "deposit", "--model", "tiny-llama-test", "--dataset", train, "--library", lib, "--key", key)
+    assert code == 0 and res["deposited"] == 2, err
+    entry = json.loads((lib / "index.jsonl").read_text().splitlines()[1])["artifact"]
+    ev = tmp_path / "fixed"
+    code, res, err = _run(capsys, "eval", "--model", "tiny-llama-test", "--dataset", gsm8k, "--library", lib, "--library-entry", entry,
+                          "--batch", "2", "--max-new-tokens", "4", "--out", ev, "--key", key, "--trusted-keys", trust)
+    assert code == 0 and res["items"] == 3, err
+    assert _verify(capsys, "eval", ev, "--dataset", gsm8k, "--trusted-keys", trust)[0] == 0
+    from kvgraft.engine._internal.evaluate import eval_command, read_record
+    from kvgraft.schemas import EvaluationStatement
+
+    _, statement = read_record(ev, EvaluationStatement)
+    command = eval_command(statement, gsm8k, lib)
+    assert command[command.index("--library-entry") + 1] == entry and command[command.index("--batch") + 1] == "2"
+    # Refusals: no library for the entry, a malformed digest.
+    code, res, err = _run(capsys, "eval", "--model", "tiny-llama-test", "--dataset", gsm8k, "--library-entry", entry,
+                          "--out", tmp_path / "e", "--key", key)
+    assert code == 1 and "no --library was given" in err and "pass --library DIR" in err and err.count("\n") == 1, err
+    code, res, err = _run(capsys, "eval", "--model", "tiny-llama-test", "--dataset", gsm8k, "--library", lib, "--library-entry", "abc",
+                          "--out", tmp_path / "e", "--key", key, "--trusted-keys", trust)
+    assert code == 1 and "--library-entry: 'abc' is not a sha256 digest" in err, err
+    assert not (tmp_path / "e").exists()

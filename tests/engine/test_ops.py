@@ -1,5 +1,6 @@
 """The graft path on tiny-llama-test: the one greedy decode loop (each of its stopping rules, EOS
-kept or dropped), ``continue_from`` as the one restore-extend-decode, and the shifted restore
+kept or dropped), ``continue_from`` as the one restore-extend-decode, ``decode_batch`` and its
+``KVBatch`` (many rows per forward pass, each at its own position), and the shifted restore
 re-rotating every layer's keys with the graft kernels' RoPE reference (and the Triton kernel,
 under ``TRITON_INTERPRET=1``, giving the same bits)."""
 
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 from kvgraft.engine import KVState, LoadedArtifact, LoadedModel, applied, capture, generate, load_artifact, trust_signer
-from kvgraft.engine._internal.kvstate import _rotation
-from kvgraft.engine._internal.ops import Decoded, continue_from, greedy_decode
+from kvgraft.engine._internal.kvstate import KVBatch, _rotation
+from kvgraft.engine._internal.ops import Decoded, DecodeJob, continue_from, decode_batch, greedy_decode
 from kvgraft.engine.kernels import rerotate, rerotate_reference, triton_available
 from kvgraft.schemas import DeterminismProfile
 
@@ -43,9 +44,10 @@ def artifact(tiny: LoadedModel, profile: DeterminismProfile, key: Path, tmp_path
     return load_artifact(tmp_path / "a", tiny, profile, trusted=trust_signer(key))
 
 
-def test_budget_ends_decoding_after_running_every_token(tiny: LoadedModel, profile: DeterminismProfile) -> None:
+def test_budget_ends_decoding_with_the_last_token_never_run(tiny: LoadedModel, profile: DeterminismProfile) -> None:
+    # The budget's last token is kept but not run: nothing would read its logits.
     decoded, ran = _decode(tiny, profile, max_new_tokens=6, keep_eos=False)
-    assert decoded.stopped_by == "max_new_tokens" and len(decoded.tokens) == 6 and ran == 6
+    assert decoded.stopped_by == "max_new_tokens" and len(decoded.tokens) == 6 and ran == 5
     assert decoded.text == tiny.tokenizer.decode(decoded.tokens)
     none, ran = _decode(tiny, profile, max_new_tokens=0, keep_eos=False)
     assert (none.tokens, none.text, none.stopped_by, ran) == ([], "", "max_new_tokens", 0)
@@ -126,3 +128,86 @@ def test_shifted_restore_rerotates_keys_with_the_kernels_reference(
         if triton_available():
             assert torch.equal(b.keys, rerotate(a.keys, cos, sin, backend="triton"))
     assert moved.shift == shift and moved.token_ids == own.token_ids
+
+
+# --- many sequences per forward pass ---------------------------------------------------------------
+
+_SUFFIXES = [" jumps over", " and then, after a long pause, the lazy dog", " sat", " ran to the river and back again twice"]
+
+
+def _jobs(tiny: LoadedModel, artifact: LoadedArtifact, budget: int) -> list[DecodeJob]:
+    # Rows of different lengths: grafted or from an empty state, short and long suffixes.
+    return [DecodeJob(artifact if n % 2 == 0 else None, tiny.tokenizer.encode(text, first=n % 2 == 1), budget, keep_eos=False)
+            for n, text in enumerate(_SUFFIXES)]
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 8])
+def test_decode_batch_answers_as_continue_from_answers_each_row(
+    tiny: LoadedModel, profile: DeterminismProfile, artifact: LoadedArtifact, batch: int
+) -> None:
+    jobs = _jobs(tiny, artifact, 10)
+    alone = [continue_from(tiny, profile, j.artifact, j.suffix_ids, max_new_tokens=j.max_new_tokens, keep_eos=False) for j in jobs]
+    got: dict[int, Decoded] = {}
+    decode_batch(tiny, profile, jobs, batch=batch, on_done=lambda i, d: got.__setitem__(i, d))
+    assert [got[i] for i in range(len(jobs))] == alone
+
+
+def test_decode_batch_follows_each_rows_stop_rule(tiny: LoadedModel, profile: DeterminismProfile, artifact: LoadedArtifact) -> None:
+    jobs = _jobs(tiny, artifact, 10)
+    jobs[1] = dataclasses.replace(jobs[1], stop=lambda text: len(text) >= 3)
+    jobs[2] = dataclasses.replace(jobs[2], max_new_tokens=1)
+    order: list[int] = []
+    got: dict[int, Decoded] = {}
+
+    def done(i: int, d: Decoded) -> None:
+        order.append(i)
+        got[i] = d
+
+    decode_batch(tiny, profile, jobs, batch=4, on_done=done)
+    assert got[1].stopped_by == "stop" and len(got[1].text) >= 3
+    assert got[2].stopped_by == "max_new_tokens" and len(got[2].tokens) == 1
+    assert order[0] == 2  # its one-token budget ends it as it joins, before any batched step
+    assert {got[0].stopped_by, got[3].stopped_by} == {"max_new_tokens"}
+
+
+def test_kv_batch_runs_each_row_at_its_own_position(tiny: LoadedModel, profile: DeterminismProfile) -> None:
+    texts = ["Hello", "Hello, world. The quick brown fox jumps", "A much longer text than the others, by far, it is"]
+    with applied(profile):
+        states = [KVState(tiny) for _ in texts]
+        for s, t in zip(states, texts, strict=True):
+            s.extend(tiny.tokenizer.encode(t, first=True))
+        batch = KVBatch(tiny)
+        for s in states:
+            batch.add(s)
+        assert batch.mask.shape == (3, max(s.end for s in states)) and batch.ends == [s.end for s in states]
+        tokens = [5, 6, 7]
+        together = batch.step(tokens)  # [3, vocab]
+        alone = torch.cat([s.extend([t]) for s, t in zip(states, tokens, strict=True)])  # [3, vocab]
+        torch.testing.assert_close(together, alone, rtol=0, atol=1e-5)
+        # The longest row leaves: the columns only it held are dropped, the others run on.
+        batch.remove([2])
+        assert batch.mask.shape == (2, states[1].end) and bool(batch.mask.all(dim=0).any())
+        together = batch.step([8, 9])
+        alone = torch.cat([s.extend([t]) for s, t in zip(states[:2], [8, 9], strict=True)])
+        torch.testing.assert_close(together, alone, rtol=0, atol=1e-5)
+        batch.remove([0, 1])
+        assert len(batch) == 0 and batch.mask.shape == (0, 0)
+
+
+def test_kv_batch_refuses_what_it_cannot_run(tiny: LoadedModel, profile: DeterminismProfile) -> None:
+    from kvgraft.engine import ArtifactError, InputTextError, current_profile
+
+    batch = KVBatch(tiny)
+    with pytest.raises(ArtifactError, match="an empty state cannot join a batch"):
+        batch.add(KVState(tiny))
+    with applied(profile):
+        state = KVState(tiny)
+        state.extend(tiny.tokenizer.encode("Hello", first=True))
+        batch.add(state)
+        with pytest.raises(ArtifactError, match=r"2 tokens for a batch of 1 rows") as e:
+            batch.step([1, 2])
+        assert e.value.hint == "pass one token per row"
+    with pytest.raises(InputTextError, match="batched decoding needs an own-position profile"):
+        decode_batch(tiny, current_profile("invariant"), [], batch=2, on_done=lambda i, d: None)
+    with pytest.raises(InputTextError, match="batch 0 is not a positive number of rows"):
+        decode_batch(tiny, profile, [], batch=0, on_done=lambda i, d: None)

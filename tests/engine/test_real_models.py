@@ -153,3 +153,13 @@ def test_qwen25_coder_artifact_refused_by_smollm2(qwen25: LoadedModel, smollm2: 
     capture(qwen25, profile, "def add(a, b):", tmp_path / "a", key=key)
     with pytest.raises(ProfileMismatchError, match=r"model\.name: artifact qwen2\.5-coder-0\.5b, here smollm2-135m;.*tokenizer_digest"):
         load_artifact(tmp_path / "a", smollm2, profile, trusted=trust_signer(key))
+
+
+def test_gemma3_cannot_decode_in_a_batch(gemma3: LoadedModel) -> None:
+    # Its sliding layers would count a row's left padding as positions seen.
+    from kvgraft.engine import ArtifactError
+    from kvgraft.engine._internal.kvstate import KVBatch
+
+    with pytest.raises(ArtifactError, match="gemma3-270m has sliding-window layers, which cannot hold left-padded rows") as e:
+        KVBatch(gemma3)
+    assert e.value.hint == "decode it one problem at a time (batch 1)"
