@@ -10,7 +10,14 @@ local layers) hold only their last ``window - 1`` positions plus a count of toke
 parts are captured, because re-inserting the tensors alone would give the layer a wrong count
 and so a wrong attention mask.
 
-Tensors in an artifact, per layer ``i`` (shape ``[1, kv_heads, tokens, head_dim]``):
+The cache stores keys and values in the applied profile's cache dtype (``profiles.kv_dtype``):
+float32 as computed, or rounded to float16 as they enter the cache (``_RoundedLayer``, in
+the same pass that computes them, so the pass's own attention already reads the rounded
+values). The cache's tensors stay float32 for the arithmetic; an artifact stores them in the
+cache dtype, which loses nothing, and a restore widens them back exactly.
+
+Tensors in an artifact, per layer ``i`` (shape ``[1, kv_heads, tokens, head_dim]``, the
+profile's cache dtype; ``seen`` int64):
 - full layers: ``layers.{i}.keys`` / ``layers.{i}.values`` for the artifact's own positions
   ``[start, end)`` only; the parent chain supplies ``[0, start)``;
 - sliding layers: the layer's whole held window at ``end`` and ``layers.{i}.seen`` (= ``end``).
@@ -19,6 +26,7 @@ Tensors in an artifact, per layer ``i`` (shape ``[1, kv_heads, tokens, head_dim]
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
@@ -27,6 +35,7 @@ from ..kernels import rerotate_reference
 from . import invariant
 from .errors import ArtifactError
 from .models import LoadedModel
+from .profiles import applied_kv_dtype
 
 
 @dataclass(frozen=True)
@@ -48,7 +57,9 @@ class KVState:
 
     def __init__(self, model: LoadedModel) -> None:
         self.model = model
-        self.cache = DynamicCache(config=model.module.config)
+        #: The dtype keys and values are stored in: the profile applied when the state was made.
+        self.kv_dtype = applied_kv_dtype()
+        self.cache = _new_cache(model, self.kv_dtype)
         self.token_ids: list[int] = []
         #: Positions the state was moved by (approximate shifted grafts only; 0 is exact).
         self.shift = 0
@@ -106,12 +117,12 @@ class KVState:
             if layer.keys is None or layer.values is None:
                 raise ArtifactError(f"layer {i} holds no state to export", hint="run some tokens first")
             if isinstance(layer, DynamicSlidingWindowLayer):
-                tensors[f"layers.{i}.keys"] = layer.keys.clone()
-                tensors[f"layers.{i}.values"] = layer.values.clone()
+                tensors[f"layers.{i}.keys"] = _stored(layer.keys, self.kv_dtype)
+                tensors[f"layers.{i}.values"] = _stored(layer.values, self.kv_dtype)
                 tensors[f"layers.{i}.seen"] = torch.tensor([layer.cumulative_length], dtype=torch.int64)
             else:
-                tensors[f"layers.{i}.keys"] = layer.keys[:, :, since:, :].clone()  # [1, h, end - since, d]
-                tensors[f"layers.{i}.values"] = layer.values[:, :, since:, :].clone()
+                tensors[f"layers.{i}.keys"] = _stored(layer.keys[:, :, since:, :], self.kv_dtype)  # [1, h, end - since, d]
+                tensors[f"layers.{i}.values"] = _stored(layer.values[:, :, since:, :], self.kv_dtype)
         return tensors
 
     @classmethod
@@ -124,7 +135,7 @@ class KVState:
         """
         state = cls(model)
         state.shift = shift
-        _check_chain(model, chain)
+        _check_chain(model, chain, state.kv_dtype)
         last = chain[-1]
         for i, layer in enumerate(_layers(state.cache)):
             if isinstance(layer, DynamicSlidingWindowLayer):
@@ -132,6 +143,8 @@ class KVState:
             else:
                 keys = _joined([s.tensors[f"layers.{i}.keys"] for s in chain])  # [1, h, end, d]
                 values = _joined([s.tensors[f"layers.{i}.values"] for s in chain])
+            # Widened back exactly: the cache computes in float32 whatever it stores.
+            keys, values = keys.to(torch.float32), values.to(torch.float32)
             if shift:
                 # The graft kernels' torch reference: the one re-rotation (the Triton kernel equals it bit for bit).
                 keys = rerotate_reference(keys, *_rotation(model, i, shift))  # [1, h, held, d]
@@ -168,7 +181,8 @@ class KVBatch:
                 hint="decode it one problem at a time (batch 1)",
             )
         self.model = model
-        self.cache = DynamicCache(config=model.module.config)
+        self.kv_dtype = applied_kv_dtype()
+        self.cache = _new_cache(model, self.kv_dtype)
         #: 1 where a row holds a real position, 0 where it is padded: ``[rows, held]``.
         self.mask = torch.zeros(0, 0, dtype=torch.long)
         #: Each row's own length: the position its next token runs at.
@@ -181,6 +195,9 @@ class KVBatch:
         """Append ``state`` as the last row (its shift must be 0: batches run at own positions)."""
         if state.shift:
             raise ArtifactError("a shifted state cannot join a batch", hint="decode shifted grafts one at a time")
+        if state.kv_dtype != self.kv_dtype:
+            raise ArtifactError(f"a state storing {state.kv_dtype} cannot join a batch storing {self.kv_dtype}",
+                                hint="make the batch and its rows under the same profile")
         if state.end + 1 > self.model.spec.window:
             raise ArtifactError(f"a state of {state.end} positions has no room left in the window",
                                 hint="decode it alone; it can take no token")
@@ -209,7 +226,7 @@ class KVBatch:
         if len(keep) == len(self.ends):
             return
         if not keep:
-            self.cache = DynamicCache(config=self.model.module.config)
+            self.cache = _new_cache(self.model, self.kv_dtype)
             self.mask = torch.zeros(0, 0, dtype=torch.long)
             self.ends = []
             return
@@ -255,6 +272,54 @@ def _left_pad(t: torch.Tensor, width: int, dim: int = -2) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
+class _RoundedLayer(DynamicLayer):
+    """A full-attention cache layer whose keys and values are rounded to ``dtype`` as they
+    enter (then held as float32, which represents them exactly)."""
+
+    # No new slots: an existing layer's class is swapped for this one, which needs the same
+    # memory layout (``dtype`` lives in the layer's own ``__dict__``).
+    __slots__ = ()
+    dtype: torch.dtype
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return super().update(_rounded(key_states, self.dtype), _rounded(value_states, self.dtype), *args, **kwargs)
+
+
+class _RoundedSlidingLayer(DynamicSlidingWindowLayer):
+    """``_RoundedLayer`` for a sliding-window layer."""
+
+    __slots__ = ()
+    dtype: torch.dtype
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return super().update(_rounded(key_states, self.dtype), _rounded(value_states, self.dtype), *args, **kwargs)
+
+
+def _new_cache(model: LoadedModel, kv_dtype: torch.dtype) -> DynamicCache:
+    """An empty cache for ``model`` storing ``kv_dtype``: transformers' own layers, made rounding
+    ones (``_RoundedLayer``, ``_RoundedSlidingLayer``) when the dtype is narrower than float32."""
+    cache = DynamicCache(config=model.module.config)
+    if kv_dtype != torch.float32:
+        for layer in _layers(cache):
+            layer.__class__ = _RoundedSlidingLayer if isinstance(layer, DynamicSlidingWindowLayer) else _RoundedLayer
+            layer.dtype = kv_dtype  # type: ignore[attr-defined]
+    return cache
+
+
+def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    narrow = t.to(dtype)
+    if not bool(torch.isfinite(narrow).all()) and bool(torch.isfinite(t).all()):
+        raise ArtifactError(f"a key or value of {float(t.abs().max()):.4g} is beyond {dtype}'s range",
+                            hint="use a float32 profile (--profile cpu-fp32) for this model")
+    return narrow.to(t.dtype)
+
+
+def _stored(t: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as an artifact stores it: a copy in the cache dtype (exact: the cache holds only
+    values that dtype represents)."""
+    return t.to(kv_dtype) if kv_dtype != t.dtype else t.clone()
+
+
 def _layers(cache: DynamicCache) -> list[DynamicLayer]:
     """The cache's layers, typed: for the architectures kvgraft runs, ``DynamicCache`` builds only
     ``DynamicLayer`` (full attention) and its subclass ``DynamicSlidingWindowLayer``, never the
@@ -274,7 +339,7 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)  # [1, h, n_i, d] -> [1, h, sum n_i, d]
 
 
-def _check_chain(model: LoadedModel, chain: list[Segment]) -> None:
+def _check_chain(model: LoadedModel, chain: list[Segment], kv_dtype: torch.dtype) -> None:
     if not chain:
         raise ArtifactError("no artifact to restore")
     config = model.module.config
@@ -312,10 +377,11 @@ def _check_chain(model: LoadedModel, chain: list[Segment]) -> None:
                 held = seg.end - seg.start
             for part in ("keys", "values"):
                 t = seg.tensors[f"layers.{i}.{part}"]
-                if tuple(t.shape) != (1, kv_heads, held, head_dim) or t.dtype != torch.float32:
+                if tuple(t.shape) != (1, kv_heads, held, head_dim) or t.dtype != kv_dtype:
                     raise ArtifactError(
                         f"layers.{i}.{part} has shape {tuple(t.shape)} and dtype {t.dtype}; "
-                        f"{model.spec.name} needs (1, {kv_heads}, {held}, {head_dim}) float32"
+                        f"{model.spec.name} needs (1, {kv_heads}, {held}, {head_dim}) {str(kv_dtype).removeprefix('torch.')} "
+                        "under this profile"
                     )
         cursor = seg.end
 

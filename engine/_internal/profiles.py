@@ -1,14 +1,21 @@
 """Determinism profiles: a named, frozen set of everything that can change a bit.
 
 ``current_profile(name)`` describes this machine under profile ``name``; ``applied(profile)``
-pins threads and deterministic algorithms for the span of a ``with`` block and restores the
-previous settings on exit; ``require_same`` refuses a graft whose profile differs, naming every
-differing field.
+pins threads and deterministic algorithms (and the KV cache's storage dtype, ``kv_dtype``) for
+the span of a ``with`` block and restores the previous settings on exit; ``require_same``
+refuses a graft whose profile differs, naming every differing field.
+
+A profile's ``dtype`` names the weights' dtype and, when the cache stores another, the cache's:
+``float32`` (both float32) or ``float32+kv-float16`` (float32 weights and arithmetic; every key
+and value rounded to float16 as it enters the cache, during capture, fresh computation and graft
+alike, so artifacts hold half the bytes and a graft still equals its fresh computation bit for
+bit within the profile).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import platform
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +38,8 @@ class ProfileSettings:
     attention_implementation: str
     matmul_tiling: str
     dtype: str = "float32"
+    #: The dtype keys and values are stored in (rounded to as they enter the cache).
+    kv_dtype: str = "float32"
 
 
 #: The named profiles. ``cpu-fp32`` is own-position exact: a graft equals recomputing the same
@@ -43,10 +52,36 @@ PROFILES: dict[str, ProfileSettings] = {
         exactness="schedule-invariant", threads=2, attention_implementation=invariant.ATTENTION_NAME,
         matmul_tiling=invariant.tiling_name(invariant.InvariantSettings()),
     ),
+    # Half-size artifacts: own-position exact, the cache rounded to float16 (llama.cpp's default
+    # cache type, so its f16 state is the size peer).
+    "cpu-fp32-kv16": ProfileSettings(exactness="own-position", threads=2, attention_implementation="eager",
+                                     matmul_tiling="default", kv_dtype="float16"),
 }
 DEFAULT_PROFILE = "cpu-fp32"
 #: Short names accepted wherever a profile is named (``--profile invariant``).
-PROFILE_ALIASES: dict[str, str] = {"invariant": "cpu-fp32-invariant", "default": "cpu-fp32"}
+PROFILE_ALIASES: dict[str, str] = {"invariant": "cpu-fp32-invariant", "default": "cpu-fp32", "kv16": "cpu-fp32-kv16"}
+#: The storage dtypes a cache may have, by the name a profile's ``dtype`` gives them.
+KV_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
+_KV_MARK = "+kv-"
+#: The cache dtype of the profile applied now (``applied``); float32 outside any.
+_APPLIED_KV_DTYPE: contextvars.ContextVar[torch.dtype] = contextvars.ContextVar("kvgraft_kv_dtype", default=torch.float32)
+
+
+def kv_dtype(profile: DeterminismProfile) -> torch.dtype:
+    """The dtype ``profile``'s cache stores keys and values in (see the module docstring)."""
+    weights, mark, cache = profile.dtype.partition(_KV_MARK)
+    name = cache if mark else weights
+    try:
+        return KV_DTYPES[name]
+    except KeyError as e:
+        raise UnknownModelError(f"profile {profile.name} names a cache dtype {name!r}, which kvgraft does not store",
+                                hint=f"use a profile of {', '.join(PROFILES)}") from e
+
+
+def applied_kv_dtype() -> torch.dtype:
+    """The cache dtype of the profile ``applied`` now (float32 when none is): what a new
+    ``KVState`` stores its keys and values in."""
+    return _APPLIED_KV_DTYPE.get()
 
 
 def _cpu_model() -> str:
@@ -78,7 +113,7 @@ def current_profile(name: str = DEFAULT_PROFILE) -> DeterminismProfile:
         exactness=s.exactness,
         device_kind="cpu",
         device_fingerprint=device_fingerprint(),
-        dtype=s.dtype,
+        dtype=s.dtype if s.kv_dtype == s.dtype else f"{s.dtype}{_KV_MARK}{s.kv_dtype}",
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,
         kernel_versions=kernel_versions,
@@ -92,8 +127,8 @@ def current_profile(name: str = DEFAULT_PROFILE) -> DeterminismProfile:
 
 @contextlib.contextmanager
 def applied(profile: DeterminismProfile) -> Iterator[None]:
-    """Pin the profile's threads and deterministic algorithms, and for a schedule-invariant
-    profile install the invariant kernels; restore the previous state after."""
+    """Pin the profile's threads, deterministic algorithms and cache dtype, and for a
+    schedule-invariant profile install the invariant kernels; restore the previous state after."""
     kernels = (
         invariant.installed(invariant.settings_from_tiling(profile.matmul_tiling))
         if profile.exactness == "schedule-invariant" else contextlib.nullcontext()
@@ -102,6 +137,7 @@ def applied(profile: DeterminismProfile) -> Iterator[None]:
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     grad = torch.is_grad_enabled()
+    cache_dtype = _APPLIED_KV_DTYPE.set(kv_dtype(profile))
     torch.set_num_threads(profile.threads)
     torch.use_deterministic_algorithms(profile.deterministic_algorithms)
     torch.set_grad_enabled(False)
@@ -109,6 +145,7 @@ def applied(profile: DeterminismProfile) -> Iterator[None]:
         with kernels:
             yield
     finally:
+        _APPLIED_KV_DTYPE.reset(cache_dtype)
         torch.set_grad_enabled(grad)
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
         torch.set_num_threads(threads)

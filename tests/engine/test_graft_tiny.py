@@ -176,3 +176,60 @@ def test_profile_context_restores_state() -> None:
 
 def test_tiny_model_is_the_same_every_time() -> None:
     assert load_model("tiny-llama-test").ref == load_model("tiny-llama-test").ref
+
+
+# --- the half-size cache (cpu-fp32-kv16) ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kv16() -> DeterminismProfile:
+    return current_profile("kv16")
+
+
+@pytest.mark.parametrize("prefix", PREFIXES[1:3])
+def test_kv16_graft_equals_fresh_bitwise_from_half_the_bytes(tiny: LoadedModel, profile: DeterminismProfile, kv16: DeterminismProfile,
+                                                             key: Path, tmp_path: Path, prefix: str) -> None:
+    assert kv16.name == "cpu-fp32-kv16" and kv16.dtype == "float32+kv-float16" and kv16.exactness == "own-position"
+    capture(tiny, kv16, prefix, tmp_path / "h", key=key)
+    capture(tiny, profile, prefix, tmp_path / "f", key=key)
+    art = load_artifact(tmp_path / "h", tiny, kv16, trusted=trust_signer(key))
+    assert {t.dtype for name, t in art.tensors.items()} == {torch.float16}
+    f32 = load_artifact(tmp_path / "f", tiny, profile, trusted=trust_signer(key))
+    assert 2 * sum(t.numel() * t.element_size() for t in art.tensors.values()) == sum(
+        t.numel() * t.element_size() for t in f32.tensors.values())
+    g = graft(tiny, kv16, art, " and then it rained for three days.")
+    f = fresh(tiny, kv16, prefix, " and then it rained for three days.")
+    assert torch.equal(g.logits, f.logits)
+    # Rounding the cache moves the numbers (so it is a profile of its own), not the tokens here.
+    exact = fresh(tiny, profile, prefix, " and then it rained for three days.")
+    assert not torch.equal(f.logits, exact.logits) and torch.equal(f.logits.argmax(-1), exact.logits.argmax(-1))
+
+
+def test_kv16_cache_holds_only_float16_values(tiny: LoadedModel, kv16: DeterminismProfile) -> None:
+    with applied(kv16):
+        state = KVState(tiny)
+        state.extend(tiny.tokenizer.encode("Hello, world. The quick brown fox", first=True))
+        state.extend(tiny.tokenizer.encode(" jumps", first=False))
+    keys = state.cache.layers[0].keys
+    assert keys is not None and keys.dtype == torch.float32 and torch.equal(keys, keys.half().float())
+    assert state.export(0)["layers.0.keys"].dtype == torch.float16
+    # Outside the profile a new state stores float32 again.
+    assert KVState(tiny).kv_dtype == torch.float32
+
+
+def test_kv16_artifact_refused_under_the_float32_profile(tiny: LoadedModel, profile: DeterminismProfile, kv16: DeterminismProfile,
+                                                         key: Path, tmp_path: Path) -> None:
+    capture(tiny, kv16, "Hello, world.", tmp_path / "h", key=key)
+    with pytest.raises(ProfileMismatchError, match=r"profile\.name: artifact 'cpu-fp32-kv16', here 'cpu-fp32'.*"
+                       r"profile\.dtype: artifact 'float32\+kv-float16', here 'float32'"):
+        load_artifact(tmp_path / "h", tiny, profile, trusted=trust_signer(key))
+
+
+def test_kv16_refuses_a_value_beyond_float16s_range(tiny: LoadedModel, kv16: DeterminismProfile,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # A key of 1e6 (float16 ends at 65504) would be stored as inf: refused, never written.
+    layer = tiny.module.model.layers[0].self_attn.k_proj
+    monkeypatch.setattr(layer.weight, "data", layer.weight.data * 1e7)
+    with applied(kv16), pytest.raises(ArtifactError, match=r"a key or value of .* is beyond torch\.float16's range") as e:
+        KVState(tiny).extend(tiny.tokenizer.encode("Hello", first=True))
+    assert e.value.hint == "use a float32 profile (--profile cpu-fp32) for this model"
