@@ -32,7 +32,7 @@ class DeterminismProfile(Contract):
     exactness: ExactnessLevel
     device_kind: str = Field(description="cpu, cuda, ...")
     device_fingerprint: str = Field(description="CPU model and ISA flags, or GPU name and compute capability")
-    dtype: str = Field(description="torch dtype of weights and cache, e.g. float32")
+    dtype: str = Field(description="torch dtype of the weights, and after '+kv-' the cache's when it stores another, e.g. float32 or float32+kv-float16")
     torch_version: str
     transformers_version: str
     kernel_versions: dict[str, str] = Field(default_factory=dict)
