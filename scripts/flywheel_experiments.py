@@ -123,29 +123,35 @@ def transfer(out: Path, work: Path, size: int, seed: int, budget: int, train_lim
     }
 
 
-def widening(out: Path, work: Path, multiples: list[int], questions: int, earlier: list[dict[str, Any]]) -> dict[str, Any]:
+def widening(out: Path, work: Path, multiples: list[int], questions: int, earlier: list[dict[str, Any]],
+             profile: str = "cpu-fp32") -> dict[str, Any]:
     """Grow one library past the window; at each size, a fresh process answers across it.
 
     The library only grows, so a smaller multiple cannot be re-measured once passed: rows of
-    ``earlier`` runs for multiples not asked for now are kept.
+    ``earlier`` runs for multiples not asked for now are kept when they were made under the same
+    profile (``cpu-fp32-kv16`` stores half the bytes: its library is another one).
     """
     import resource
 
     train = DATA / "gsm8k_train.jsonl"
-    library = work / "lib-gsm8k"
+    # The default profile's library is the transfer part's; another profile's is its own.
+    library = work / ("lib-gsm8k" if profile == "cpu-fp32" else f"lib-gsm8k-{profile}")
     rows = []
     docs = train.read_text().splitlines()
     for k in multiples:
         target = k * WINDOW
-        step = 40
+        # Problems offered per deposit process (each loads the model once): ~180 tokens each.
+        step = 400
         while True:
             index = library / "index.jsonl"
             lines = index.read_text().splitlines() if index.exists() else []
             if sum(json.loads(line)["tokens"] for line in lines) >= target:
                 break
             limit = (json.loads(lines[-1])["doc_index"] + 1 if lines else 0) + step
+            if lines and limit - step >= len(docs):
+                raise SystemExit(f"gsm8k_train holds too few verified solutions for {k}x the window")
             run(["library", "deposit", "--model", MODEL, "--dataset", str(train), "--library", str(library), "--limit", str(limit),
-                 *TRUST])
+                 "--profile", profile, *TRUST])
         entries = [json.loads(line) for line in (library / "index.jsonl").read_text().splitlines()]
         # Questions spread evenly over the whole store: its first, last and every entry between.
         picks = [entries[round(i * (len(entries) - 1) / (questions - 1))]["doc_index"] for i in range(questions)]
@@ -167,10 +173,11 @@ def widening(out: Path, work: Path, multiples: list[int], questions: int, earlie
             "multiple": k, "entries": len(entries), "stored_tokens": sum(e["tokens"] for e in entries),
             "window": WINDOW, "questions": questions, "correct": answer["correct"], "decode_tokens": answer["decode_tokens"],
             "peak_rss_mib": round(usage.ru_maxrss / 1024, 1), "seconds": round(time.perf_counter() - t0, 1),
-            "record": record.name, "earlier_children_max_rss_kib": before,
+            "record": record.name, "earlier_children_max_rss_kib": before, "profile": profile,
+            "library_bytes": sum(f.stat().st_size for f in library.rglob("*") if f.is_file()),
         })
         sys.stderr.write(f"widening {k}x: {rows[-1]}\n")
-    kept = [r for r in earlier if r["multiple"] not in multiples]
+    kept = [r for r in earlier if r["multiple"] not in multiples and r.get("profile", "cpu-fp32") == profile]
     return {"model": MODEL, "rows": sorted(kept + rows, key=lambda r: r["multiple"])}
 
 
@@ -222,6 +229,8 @@ def main() -> None:
     ap.add_argument("--gsm8k-train", type=int, default=500, help="train problems offered to the transfer library")
     ap.add_argument("--widening", default="1,5,10")
     ap.add_argument("--widening-questions", type=int, default=10)
+    ap.add_argument("--widening-profile", default="cpu-fp32",
+                    help="the library's profile (cpu-fp32-kv16: half-size artifacts, for 87x the window on this disk)")
     ap.add_argument("--only", default="recurring,widening,transfer")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -239,7 +248,8 @@ def main() -> None:
             continue
         elif part == "widening":
             earlier = summary.get("widening", {}).get("rows", [])
-            summary[part] = widening(args.out, args.work, [int(x) for x in args.widening.split(",")], args.widening_questions, earlier)
+            summary[part] = widening(args.out, args.work, [int(x) for x in args.widening.split(",")], args.widening_questions, earlier,
+                                     args.widening_profile)
         else:
             raise SystemExit(f"unknown part {part!r}")
         summary[part]["wall_seconds"] = round(time.perf_counter() - t0, 1)
