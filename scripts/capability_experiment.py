@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from experiment_stats import paired, wilson
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "datasets"
@@ -48,39 +49,6 @@ CONDITIONS = ("base", "fixed", "similar")
 def log(message: str) -> None:
     sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {message}\n")
     sys.stderr.flush()
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion."""
-    if n == 0:
-        return (0.0, 0.0)
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
-
-
-def mcnemar_exact(b: int, c: int) -> float:
-    """Two-sided exact McNemar p-value: ``b`` and ``c`` discordant pairs, binomial(b + c, 1/2)."""
-    n = b + c
-    if n == 0:
-        return 1.0
-    k = min(b, c)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
-    return min(1.0, 2 * tail)
-
-
-def paired(first: list[bool], second: list[bool], z: float = 1.96) -> dict[str, Any]:
-    """second - first, paired per problem: the mean difference with a normal-approximation 95%
-    interval, the discordant counts and McNemar's exact p."""
-    d = [int(s) - int(f) for f, s in zip(first, second, strict=True)]
-    n = len(d)
-    mean = sum(d) / n
-    var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else 0.0
-    half = z * math.sqrt(var / n)
-    only_second, only_first = sum(x == 1 for x in d), sum(x == -1 for x in d)
-    return {"difference": mean, "ci95": [mean - half, mean + half], "only_second_correct": only_second,
-            "only_first_correct": only_first, "mcnemar_exact_p": mcnemar_exact(only_second, only_first)}
 
 
 def predicate(record: Path) -> dict[str, Any]:
@@ -216,7 +184,7 @@ def table(args: argparse.Namespace) -> None:
     lines += ["", "| paired difference | difference (95% CI) | only the second right | only the first right | McNemar exact p |",
               "|---|---|---|---|---|"]
     for name, pair in summary["pairs"].items():
-        lo, hi = pair["ci95"]
+        lo, hi = pair["low"], pair["high"]
         lines.append(f"| {name} | {pair['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {pair['only_second_correct']} | "
                      f"{pair['only_first_correct']} | {pair['mcnemar_exact_p']:.3g} |")
     (args.out / "README.md").write_text("\n".join(lines) + "\n")

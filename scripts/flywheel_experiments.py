@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -33,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from experiment_stats import paired, wilson
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "datasets"
@@ -58,27 +59,6 @@ def evaluation(record: Path) -> dict[str, Any]:
     from kvgraft.schemas import RECORD_FILE, payload_unverified
 
     return json.loads(payload_unverified((record / RECORD_FILE).read_bytes()))["predicate"]
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion."""
-    if n == 0:
-        return (0.0, 0.0)
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
-
-
-def paired(base: list[bool], other: list[bool], z: float = 1.96) -> dict[str, float]:
-    """Mean paired difference (other - base) with a normal-approximation 95% interval."""
-    d = [int(o) - int(b) for b, o in zip(base, other, strict=True)]
-    n = len(d)
-    mean = sum(d) / n
-    var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else 0.0
-    half = z * math.sqrt(var / n)
-    return {"difference": mean, "low": mean - half, "high": mean + half,
-            "only_other_correct": sum(x == 1 for x in d), "only_base_correct": sum(x == -1 for x in d)}
 
 
 def recurring(out: Path, work: Path, budget: int) -> dict[str, Any]:
@@ -204,7 +184,7 @@ def table(summary: dict[str, Any]) -> str:
                        f"{a['decode_tokens']} | `results/flywheel/{a['record']}` |")
         p = t["paired"]
         out += ["", f"Paired difference (graft - base): {p['difference']:+.3f}, 95% interval [{p['low']:+.3f}, {p['high']:+.3f}] "
-                f"({p['only_other_correct']} problems only the graft solved, {p['only_base_correct']} only the base).", ""]
+                f"({p['only_second_correct']} problems only the graft solved, {p['only_first_correct']} only the base).", ""]
     if "widening" in summary:
         w = summary["widening"]
         out += ["### Context widening: one library grown past the 8,192-token window", "",
