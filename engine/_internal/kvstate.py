@@ -35,7 +35,7 @@ from ..kernels import rerotate_reference
 from . import invariant
 from .errors import ArtifactError
 from .models import LoadedModel
-from .profiles import applied_kv_dtype
+from .profiles import applied_kv_dtype, pass_attention
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class KVState:
             first = self.end + self.shift
             extra["position_ids"] = torch.arange(first, first + len(ids), dtype=torch.long)[None, :]  # [1, n]
         # Under a schedule-invariant profile this names the invariant attention for the pass.
-        with invariant.scoped_call(self.model.module, self.end, len(ids)) as invariant_kwargs:
+        with pass_attention(self.model.module), invariant.scoped_call(self.model.module, self.end, len(ids)) as invariant_kwargs:
             out = self.model.module(input_ids=input_ids, cache=self.cache, use_cache=True, **extra, **invariant_kwargs)
         self.token_ids.extend(ids)
         return out.logits[0].to(torch.float32)  # [1, n, vocab] -> [n, vocab]
@@ -255,8 +255,9 @@ class KVBatch:
         input_ids = torch.tensor(tokens, dtype=torch.long)[:, None]  # [rows, 1]
         position_ids = torch.tensor(self.ends, dtype=torch.long)[:, None]  # [rows, 1]
         mask = torch.cat([self.mask, torch.ones(rows, 1, dtype=torch.long)], dim=1)  # [rows, held + 1]
-        out = self.model.module(input_ids=input_ids, cache=self.cache, attention_mask=mask, position_ids=position_ids,
-                                use_cache=True)
+        with pass_attention(self.model.module):
+            out = self.model.module(input_ids=input_ids, cache=self.cache, attention_mask=mask, position_ids=position_ids,
+                                    use_cache=True)
         self.mask = mask
         self.ends = [e + 1 for e in self.ends]
         return out.logits[:, -1].to(torch.float32)  # [rows, 1, vocab] -> [rows, vocab]

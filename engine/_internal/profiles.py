@@ -19,14 +19,18 @@ import contextvars
 import platform
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
 
 from kvgraft.schemas import DeterminismProfile, ExactnessLevel, ModelRef, Sha256Digest
 
-from . import invariant
+from . import fast_attention, invariant
 from .errors import ProfileMismatchError, UnknownModelError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -56,15 +60,22 @@ PROFILES: dict[str, ProfileSettings] = {
     # cache type, so its f16 state is the size peer).
     "cpu-fp32-kv16": ProfileSettings(exactness="own-position", threads=2, attention_implementation="eager",
                                      matmul_tiling="default", kv_dtype="float16"),
+    # The fast own-position profile: SDPA on the grouped K/V heads as they are (fast_attention.py).
+    "cpu-fp32-sdpa": ProfileSettings(exactness="own-position", threads=2,
+                                     attention_implementation=fast_attention.ATTENTION_NAME, matmul_tiling="default"),
 }
 DEFAULT_PROFILE = "cpu-fp32"
 #: Short names accepted wherever a profile is named (``--profile invariant``).
-PROFILE_ALIASES: dict[str, str] = {"invariant": "cpu-fp32-invariant", "default": "cpu-fp32", "kv16": "cpu-fp32-kv16"}
+PROFILE_ALIASES: dict[str, str] = {
+    "invariant": "cpu-fp32-invariant", "default": "cpu-fp32", "kv16": "cpu-fp32-kv16", "sdpa": "cpu-fp32-sdpa",
+}
 #: The storage dtypes a cache may have, by the name a profile's ``dtype`` gives them.
 KV_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
 _KV_MARK = "+kv-"
 #: The cache dtype of the profile applied now (``applied``); float32 outside any.
 _APPLIED_KV_DTYPE: contextvars.ContextVar[torch.dtype] = contextvars.ContextVar("kvgraft_kv_dtype", default=torch.float32)
+#: The attention implementation of the profile applied now; None outside any (the model's own).
+_APPLIED_ATTENTION: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvgraft_attention", default=None)
 
 
 def kv_dtype(profile: DeterminismProfile) -> torch.dtype:
@@ -76,6 +87,24 @@ def kv_dtype(profile: DeterminismProfile) -> torch.dtype:
     except KeyError as e:
         raise UnknownModelError(f"profile {profile.name} names a cache dtype {name!r}, which kvgraft does not store",
                                 hint=f"use a profile of {', '.join(PROFILES)}") from e
+
+
+@contextlib.contextmanager
+def pass_attention(module: PreTrainedModel) -> Iterator[None]:
+    """For one forward pass of ``module``: the applied profile's attention implementation named
+    in the module's config (transformers looks it up there at every layer), the previous name
+    back after. Outside any profile, or when the names agree, nothing changes."""
+    name = _APPLIED_ATTENTION.get()
+    config = module.config
+    previous = config._attn_implementation
+    if name is None or name == previous:
+        yield
+        return
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
 
 
 def applied_kv_dtype() -> torch.dtype:
@@ -127,8 +156,9 @@ def current_profile(name: str = DEFAULT_PROFILE) -> DeterminismProfile:
 
 @contextlib.contextmanager
 def applied(profile: DeterminismProfile) -> Iterator[None]:
-    """Pin the profile's threads, deterministic algorithms and cache dtype, and for a
-    schedule-invariant profile install the invariant kernels; restore the previous state after."""
+    """Pin the profile's threads, deterministic algorithms, cache dtype and attention (named for
+    each forward pass by ``pass_attention``), and for a schedule-invariant profile install the
+    invariant kernels; restore the previous state after."""
     kernels = (
         invariant.installed(invariant.settings_from_tiling(profile.matmul_tiling))
         if profile.exactness == "schedule-invariant" else contextlib.nullcontext()
@@ -138,6 +168,9 @@ def applied(profile: DeterminismProfile) -> Iterator[None]:
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     grad = torch.is_grad_enabled()
     cache_dtype = _APPLIED_KV_DTYPE.set(kv_dtype(profile))
+    if profile.attention_implementation == fast_attention.ATTENTION_NAME:
+        fast_attention.register()
+    attention = _APPLIED_ATTENTION.set(profile.attention_implementation)
     torch.set_num_threads(profile.threads)
     torch.use_deterministic_algorithms(profile.deterministic_algorithms)
     torch.set_grad_enabled(False)
@@ -145,6 +178,7 @@ def applied(profile: DeterminismProfile) -> Iterator[None]:
         with kernels:
             yield
     finally:
+        _APPLIED_ATTENTION.reset(attention)
         _APPLIED_KV_DTYPE.reset(cache_dtype)
         torch.set_grad_enabled(grad)
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)

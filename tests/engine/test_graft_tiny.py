@@ -233,3 +233,25 @@ def test_kv16_refuses_a_value_beyond_float16s_range(tiny: LoadedModel, kv16: Det
     with applied(kv16), pytest.raises(ArtifactError, match=r"a key or value of .* is beyond torch\.float16's range") as e:
         KVState(tiny).extend(tiny.tokenizer.encode("Hello", first=True))
     assert e.value.hint == "use a float32 profile (--profile cpu-fp32) for this model"
+
+
+# --- the fast profile (cpu-fp32-sdpa) ---------------------------------------------------------
+
+
+def test_sdpa_graft_equals_fresh_bitwise_with_its_own_attention(tiny: LoadedModel, profile: DeterminismProfile, key: Path,
+                                                                 tmp_path: Path) -> None:
+    sdpa = current_profile("sdpa")
+    assert sdpa.name == "cpu-fp32-sdpa" and sdpa.attention_implementation == "kvgraft_sdpa_gqa"
+    prefix, continuation = PREFIXES[2], " and then it rained for three days."
+    capture(tiny, sdpa, prefix, tmp_path / "a", key=key)
+    art = load_artifact(tmp_path / "a", tiny, sdpa, trusted=trust_signer(key))
+    g = graft(tiny, sdpa, art, continuation)
+    f = fresh(tiny, sdpa, prefix, continuation)
+    assert torch.equal(g.logits, f.logits)
+    # Another kernel than eager attention: other last bits, the same tokens; the model's config
+    # names its own attention again after every pass.
+    eager = fresh(tiny, profile, prefix, continuation)
+    assert not torch.equal(f.logits, eager.logits) and torch.equal(f.logits.argmax(-1), eager.logits.argmax(-1))
+    assert tiny.module.config._attn_implementation == "eager"
+    with pytest.raises(ProfileMismatchError, match=r"profile\.attention_implementation: artifact 'kvgraft_sdpa_gqa', here 'eager'"):
+        load_artifact(tmp_path / "a", tiny, profile, trusted=trust_signer(key))

@@ -211,3 +211,16 @@ def test_kv_batch_refuses_what_it_cannot_run(tiny: LoadedModel, profile: Determi
         decode_batch(tiny, current_profile("invariant"), [], batch=2, on_done=lambda i, d: None)
     with pytest.raises(InputTextError, match="batch 0 is not a positive number of rows"):
         decode_batch(tiny, profile, [], batch=0, on_done=lambda i, d: None)
+
+
+def test_decode_batch_under_the_sdpa_profile_answers_as_each_row_alone(tiny: LoadedModel, artifact: LoadedArtifact) -> None:
+    # The batch's padding mask goes through transformers' SDPA mask builder to the fast attention.
+    from kvgraft.engine import current_profile
+
+    sdpa = current_profile("sdpa")
+    ids = [tiny.tokenizer.encode(text, first=True) for text in _SUFFIXES]
+    jobs = [DecodeJob(None, i, 10, keep_eos=False) for i in ids]
+    alone = [continue_from(tiny, sdpa, None, j.suffix_ids, max_new_tokens=10, keep_eos=False) for j in jobs]
+    got: dict[int, Decoded] = {}
+    decode_batch(tiny, sdpa, jobs, batch=4, on_done=lambda i, d: got.__setitem__(i, d))
+    assert [got[i] for i in range(len(jobs))] == alone

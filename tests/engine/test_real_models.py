@@ -174,3 +174,13 @@ def test_kv16_graft_equals_fresh_on_smollm2_and_past_gemma3s_sliding_window(
     _exact(smollm2, kv16, key, tmp_path / "s", "The capital of France is", " Paris, and the capital of Italy is Rome.")
     # Gemma 3's sliding layers round as they enter too, and their held window is what is stored.
     assert _exact(gemma3, kv16, key, tmp_path / "g", _text_of_tokens(gemma3, 560), "\n\nQuestion: How many apples") == 560
+
+
+def test_sdpa_graft_equals_fresh_on_smollm2_and_past_gemma3s_sliding_window(
+    smollm2: LoadedModel, gemma3: LoadedModel, key: Path, tmp_path: Path
+) -> None:
+    from kvgraft.engine import current_profile
+
+    sdpa = current_profile("sdpa")
+    _exact(smollm2, sdpa, key, tmp_path / "s", _text_of_tokens(smollm2, 300), "\n\nQuestion: How many apples")
+    assert _exact(gemma3, sdpa, key, tmp_path / "g", _text_of_tokens(gemma3, 560), "\n\nQuestion: How many apples") == 560
