@@ -8,7 +8,9 @@ the logits of the question's last position exist, measured side by side in one p
 - ``graft``: kvgraft from the local store, the normal path: ``load_artifact`` (statement read,
   every chain member's tensors sha256-checked against it, model/tokenizer/profile checked), then
   ``graft`` (restore at its own positions, run the question); the prefix is stored as a chain of
-  artifacts ending at each length (256, then +768, +1K, +2K, +4K), as a library stores it;
+  artifacts ending at each length (256, then +768, +1K, +2K, +4K), as a library stores it; once
+  per profile of ``--profiles`` (the first is ``graft``, the others ``graft[NAME]``, each with
+  its own chain: ``cpu-fp32-sdpa`` the fast attention, ``cpu-fp32-kv16`` the half-size cache);
 - ``llama.cpp restore``: llama.cpp's own state file (``llama_state_save_file`` /
   ``llama_state_load_file`` through llama-cpp-python) on the same GGUF file, then the question;
 - ``llama.cpp recompute``: llama.cpp evaluating prefix + question from an empty context.
@@ -17,6 +19,7 @@ Page cache warm for both restores (the files were just written). Target: graft a
 faster than recompute at 4K and growing with length; not slower than llama.cpp's restore.
 
     .venv/bin/python bench/ttft.py [--runs 3] [--lengths 256 1024 2048 4096 8160]
+        [--profiles cpu-fp32 cpu-fp32-sdpa cpu-fp32-kv16]
 """
 
 from __future__ import annotations
@@ -128,12 +131,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2,
                     help="threads for every method (2 is the profile's own; 1 is steadier on a machine others load)")
     ap.add_argument("--skip-llama-recompute", action="store_true", help="leave out llama.cpp's own recompute (not a target)")
+    ap.add_argument("--profiles", nargs="+", default=["cpu-fp32", "cpu-fp32-sdpa", "cpu-fp32-kv16"],
+                    help="the graft's profiles, side by side (the first is reported as 'graft')")
     args = ap.parse_args()
     spec = spec_for(MODEL)
     model = load_model(MODEL)
-    profile = current_profile("cpu-fp32")
-    if args.threads != profile.threads:
-        profile = profile.model_copy(update={"threads": args.threads})
+    profiles = [current_profile(name) for name in args.profiles]
+    profiles = [p if p.threads == args.threads else p.model_copy(update={"threads": args.threads}) for p in profiles]
+    graft_keys = ["graft", *(f"graft[{p.name}]" for p in profiles[1:])]
     q_ids = model.tokenizer.encode(QUESTION, first=False)
 
     from transformers import AutoModelForCausalLM
@@ -151,23 +156,29 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvgraft-bench-ttft-") as tmp:
         work = Path(tmp)
-        dirs = build_chain(model, profile, args.lengths, work)
+        chains = {key: build_chain(model, p, args.lengths, work / key) for key, p in zip(graft_keys, profiles, strict=True)}
         # The normal graft path verifies the chain's signatures: here against the key that made it.
         trusted = trust_signer(ensure_local_key()[0])
         for length in args.lengths:
-            art = load_artifact(dirs[length], model, profile, trusted=trusted)
-            prefix = chain_ids(art)
+            kv_bytes: dict[str, int] = {}
+            prefix = []
+            for key, p in zip(graft_keys, profiles, strict=True):
+                art = load_artifact(chains[key][length], model, p, trusted=trusted)
+                if prefix and chain_ids(art) != prefix:
+                    raise SystemExit(f"the {p.name} chain holds other tokens than the {profiles[0].name} chain")
+                prefix = chain_ids(art)
+                kv_bytes[key] = sum((a.directory / KV_FILE).stat().st_size for a in art.chain)
+                del art
             full = prefix + q_ids
-            kv_bytes = sum((a.directory / KV_FILE).stat().st_size for a in art.chain)
-            del art
             row: dict[str, Any] = {"target_tokens": length, "prefix_tokens": len(prefix), "question_tokens": len(q_ids),
-                                   "chain_artifacts": args.lengths.index(length) + 1, "kv_bytes": kv_bytes, "runs": {}}
+                                   "chain_artifacts": args.lengths.index(length) + 1, "kv_bytes": kv_bytes["graft"],
+                                   "kv_bytes_by_graft": kv_bytes, "runs": {}}
             state_file = work / f"llama-{length}.state"
             if llama is not None:
                 llama.clear()
                 llama.eval(prefix)
                 row["llama_state_bytes"] = llama.save(state_file)
-            runs: dict[str, list[float]] = {"recompute": [], "graft": [], "llama_restore": [], "llama_recompute": []}
+            runs: dict[str, list[float]] = {"recompute": [], **{k: [] for k in graft_keys}, "llama_restore": [], "llama_recompute": []}
             # Long prefixes cost minutes per recompute: one run fewer there (never fewer than 2).
             reps = args.runs if length < 4096 else max(2, args.runs - 1)
             for r in range(reps):
@@ -177,16 +188,17 @@ def main() -> None:
                     t0 = time.perf_counter()
                     plain(input_ids=torch.tensor([full]), logits_to_keep=1)
                     runs["recompute"].append(time.perf_counter() - t0)
-                # graft from the local store, digests checked
-                t0 = time.perf_counter()
-                art = load_artifact(dirs[length], model, profile, trusted=trusted)
-                # Only the last position's logits: the first token needs no more (recompute below
-                # keeps one too, llama.cpp computes one by default).
-                cont = graft(model, profile, art, QUESTION, keep_last=1)
-                runs["graft"].append(time.perf_counter() - t0)
-                if cont.prefix_tokens != len(prefix) or cont.continuation_ids != q_ids:
-                    raise SystemExit("the graft ran other tokens than the recompute")
-                del art, cont
+                for key, p in zip(graft_keys, profiles, strict=True):
+                    # graft from the local store, digests checked
+                    t0 = time.perf_counter()
+                    art = load_artifact(chains[key][length], model, p, trusted=trusted)
+                    # Only the last position's logits: the first token needs no more (recompute
+                    # keeps one too, llama.cpp computes one by default).
+                    cont = graft(model, p, art, QUESTION, keep_last=1)
+                    runs[key].append(time.perf_counter() - t0)
+                    if cont.prefix_tokens != len(prefix) or cont.continuation_ids != q_ids:
+                        raise SystemExit("the graft ran other tokens than the recompute")
+                    del art, cont
                 if llama is not None:
                     llama.clear()
                     t0 = time.perf_counter()
@@ -205,14 +217,17 @@ def main() -> None:
             row["median_s"] = {k: median(v) for k, v in row["runs"].items()}
             m = row["median_s"]
             row["speedup_graft_vs_recompute"] = m["recompute"] / m["graft"]
+            row["speedup_vs_recompute_by_graft"] = {k: m["recompute"] / m[k] for k in graft_keys}
             if llama is not None:
                 row["graft_over_llama_restore"] = m["graft"] / m["llama_restore"]
+                row["over_llama_restore_by_graft"] = {k: m[k] / m["llama_restore"] for k in graft_keys}
+                row["kv_bytes_over_llama_state_by_graft"] = {k: b / row["llama_state_bytes"] for k, b in kv_bytes.items()}
                 if "llama_recompute" in m:
                     row["speedup_llama_restore_vs_llama_recompute"] = m["llama_recompute"] / m["llama_restore"]
                 state_file.unlink()
             rows.append(row)
             say(f"L={len(prefix)}: graft {row['speedup_graft_vs_recompute']:.1f}x faster than recompute")
-        del dirs
+        del chains
 
     at_4k = next((r for r in rows if r["target_tokens"] == 4096), None)
     speedups = [r["speedup_graft_vs_recompute"] for r in rows]
@@ -227,6 +242,7 @@ def main() -> None:
         "gguf": str(locate_gguf(spec).name),
         "recompute_attention": plain_attn,
         "threads": args.threads,
+        "profiles": {key: p.name for key, p in zip(graft_keys, profiles, strict=True)},
         "llama_cpp": None if llama is None else {"version": llama.version, "kv_type": "f16 (default)"},
         "note": llama_note,
         "target": {"graft_speedup_at_4k_min": TARGET_SPEEDUP_4K, "graft_over_llama_restore_max": 1.0},
@@ -244,6 +260,8 @@ def plot(rows: list[dict[str, Any]], threads: int) -> None:
         ax = fig.add_subplot(1, 1, 1)
         labels = {"recompute": "recompute (transformers)", "graft": "kvgraft graft (verified)",
                   "llama_restore": "llama.cpp state restore", "llama_recompute": "llama.cpp recompute"}
+        for key in sorted({k for r in rows for k in r["median_s"] if k.startswith("graft[")}):
+            labels[key] = f"kvgraft {key}"
         for key, label in labels.items():
             have = [r for r in rows if key in r["median_s"]]
             if have:
