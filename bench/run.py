@@ -50,6 +50,22 @@ def table() -> list[str]:
         for row in r["rows"]:
             if "graft_over_llama_restore" in row:
                 add("ttft", f"graft / llama.cpp restore TTFT, {row['prefix_tokens']} tokens", f"{row['graft_over_llama_restore']:.2f}x", "<= 1x")
+        # The other profiles' grafts, side by side in the same run (bench/ttft.py --profiles).
+        for key, name in r.get("profiles", {}).items():
+            if key == "graft":
+                continue
+            for row in r["rows"]:
+                add("ttft", f"recompute / graft TTFT, {name}, {row['prefix_tokens']} tokens",
+                    f"{row['speedup_vs_recompute_by_graft'][key]:.1f}x", ">= 30x at 4K")
+                if "over_llama_restore_by_graft" in row:
+                    add("ttft", f"graft / llama.cpp restore TTFT, {name}, {row['prefix_tokens']} tokens",
+                        f"{row['over_llama_restore_by_graft'][key]:.2f}x", "<= 1x")
+        for key, name in r.get("profiles", {}).items():
+            rows_with = [row for row in r["rows"] if "kv_bytes_over_llama_state_by_graft" in row]
+            if rows_with:
+                last = rows_with[-1]
+                add("ttft", f"artifact bytes / llama.cpp f16 state, {name}, {last['prefix_tokens']} tokens",
+                    f"{last['kv_bytes_over_llama_state_by_graft'][key]:.2f}x", "<= 1x")
     r = _load("restore_floor")
     if r:
         for row in r["rows"]:
