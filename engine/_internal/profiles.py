@@ -10,12 +10,21 @@ A profile's ``dtype`` names the weights' dtype and, when the cache stores anothe
 and value rounded to float16 as it enters the cache, during capture, fresh computation and graft
 alike, so artifacts hold half the bytes and a graft still equals its fresh computation bit for
 bit within the profile).
+
+An instruction-set-level profile (``cpu-fp32-x86-64-v3``, ``-v4``) pins the level every math
+library torch calls dispatches to, not the CPU's model name: ATen's vector kernels
+(``ATEN_CPU_CAPABILITY``), MKL's conditional numerical reproducibility (``MKL_CBWR``, strict) and
+oneDNN's ISA ceiling (``ONEDNN_MAX_CPU_ISA``). Each is read once when the library starts, so the
+process must be started with them (``IsaLevel.command_prefix``); ``current_profile`` refuses
+one that was not. An artifact captured under a level then grafts bit-exactly on any machine that
+supports the level (and runs the same torch, transformers and thread count).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import platform
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +43,37 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class IsaLevel:
+    """An instruction-set level and the environment that pins every math library to it."""
+
+    name: str
+    #: ``ATEN_CPU_CAPABILITY``: ATen's vectorized kernels.
+    aten: str
+    #: What ``torch.backends.cpu.get_cpu_capability()`` then reports.
+    torch_capability: str
+    #: ``MKL_CBWR``: MKL's reproducible code branch, strict.
+    mkl_cbwr: str
+    #: ``ONEDNN_MAX_CPU_ISA``: the highest ISA oneDNN may use.
+    onednn_max_isa: str
+
+    def environment(self) -> dict[str, str]:
+        """The variables the process must be started with."""
+        return {"ATEN_CPU_CAPABILITY": self.aten, "MKL_CBWR": self.mkl_cbwr, "ONEDNN_MAX_CPU_ISA": self.onednn_max_isa}
+
+    def command_prefix(self) -> str:
+        """``env VAR=value ...``, to put before a command."""
+        return "env " + " ".join(f"{k}={v}" for k, v in self.environment().items())
+
+
+#: The x86-64 micro-architecture levels a profile can pin (psABI names).
+ISA_LEVELS: dict[str, IsaLevel] = {
+    "x86-64-v3": IsaLevel("x86-64-v3", aten="avx2", torch_capability="AVX2", mkl_cbwr="AVX2,STRICT", onednn_max_isa="AVX2"),
+    "x86-64-v4": IsaLevel("x86-64-v4", aten="avx512", torch_capability="AVX512", mkl_cbwr="AVX512,STRICT",
+                          onednn_max_isa="AVX512_CORE"),
+}
+
+
+@dataclass(frozen=True)
 class ProfileSettings:
     """The knobs a named profile fixes; the rest of the profile is read off the machine."""
 
@@ -44,6 +84,8 @@ class ProfileSettings:
     dtype: str = "float32"
     #: The dtype keys and values are stored in (rounded to as they enter the cache).
     kv_dtype: str = "float32"
+    #: The instruction-set level pinned instead of the CPU's model name (``ISA_LEVELS``), if any.
+    isa_level: str | None = None
 
 
 #: The named profiles. ``cpu-fp32`` is own-position exact: a graft equals recomputing the same
@@ -63,6 +105,9 @@ PROFILES: dict[str, ProfileSettings] = {
     # The fast own-position profile: SDPA on the grouped K/V heads as they are (fast_attention.py).
     "cpu-fp32-sdpa": ProfileSettings(exactness="own-position", threads=2,
                                      attention_implementation=fast_attention.ATTENTION_NAME, matmul_tiling="default"),
+    # Machine-independent within a level: the level pinned, not the CPU model (see the module docstring).
+    **{f"cpu-fp32-{level}": ProfileSettings(exactness="own-position", threads=2, attention_implementation="eager",
+                                            matmul_tiling="default", isa_level=level) for level in ISA_LEVELS},
 }
 DEFAULT_PROFILE = "cpu-fp32"
 #: Short names accepted wherever a profile is named (``--profile invariant``).
@@ -127,6 +172,23 @@ def device_fingerprint() -> str:
     return f"{platform.machine()}; {_cpu_model()}; torch-cpu-capability={torch.backends.cpu.get_cpu_capability()}"
 
 
+def isa_fingerprint(level: IsaLevel) -> str:
+    """The device fingerprint of an instruction-set-level profile, once this process is checked
+    to run at ``level`` (``ProfileMismatchError`` naming the command that would otherwise)."""
+    wrong = [f"{k}={os.environ.get(k, '(unset)')}" for k, v in level.environment().items() if os.environ.get(k) != v]
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != level.torch_capability:
+        wrong.append(f"torch dispatches to {capability}")
+    if wrong:
+        raise ProfileMismatchError(
+            f"profile level {level.name} needs this process started with {level.command_prefix()}; "
+            f"here {', '.join(wrong)}",
+            hint=f"run the command as: {level.command_prefix()} kvgraft ... (a CPU without {level.torch_capability} "
+            "cannot run this level: choose a lower one)",
+        )
+    return f"{platform.machine()}; isa-level={level.name}; " + "; ".join(f"{k}={v}" for k, v in level.environment().items())
+
+
 def current_profile(name: str = DEFAULT_PROFILE) -> DeterminismProfile:
     """The full profile ``name`` (or its alias) on this machine with these library versions."""
     name = PROFILE_ALIASES.get(name, name)
@@ -137,11 +199,12 @@ def current_profile(name: str = DEFAULT_PROFILE) -> DeterminismProfile:
     kernel_versions = {"mkldnn": str(torch.backends.mkldnn.is_available()), "openmp": str(torch.backends.openmp.is_available())}
     if s.exactness == "schedule-invariant":
         kernel_versions["kvgraft_invariant"] = invariant.settings_from_tiling(s.matmul_tiling).describe()
+    fingerprint = device_fingerprint() if s.isa_level is None else isa_fingerprint(ISA_LEVELS[s.isa_level])
     return DeterminismProfile(
         name=name,
         exactness=s.exactness,
         device_kind="cpu",
-        device_fingerprint=device_fingerprint(),
+        device_fingerprint=fingerprint,
         dtype=s.dtype if s.kv_dtype == s.dtype else f"{s.dtype}{_KV_MARK}{s.kv_dtype}",
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,

@@ -1,0 +1,98 @@
+"""Instruction-set-level profiles: the level pinned (ATen's kernels, MKL's reproducible branch,
+oneDNN's ceiling), not the CPU's model name; each command a process of its own, started with the
+level's environment, as a user on another machine of the same level would run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvgraft.engine import ProfileMismatchError, current_profile
+from kvgraft.engine._internal.profiles import ISA_LEVELS, IsaLevel
+
+PREFIX = "The quick brown fox jumps over the lazy dog. " * 8
+CONTINUATION = " And then, after a long pause, the dog woke up."
+
+
+def _supported(level: IsaLevel) -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return {"x86-64-v3": " avx2 ", "x86-64-v4": " avx512f "}[level.name] in flags.replace("\n", " ")
+
+
+def _kvgraft(home: Path, level: IsaLevel | None, *args: object) -> dict[str, object]:
+    env = {**os.environ, "KVGRAFT_HOME": str(home)}
+    for var in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA"):
+        env.pop(var, None)
+    if level is not None:
+        env.update(level.environment())
+    done = subprocess.run([sys.executable, "-m", "kvgraft", "--json", *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=300, check=False)
+    out = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {}
+    return {"code": done.returncode, "stderr": done.stderr, **out}
+
+
+@pytest.fixture()
+def texts(tmp_path: Path) -> tuple[Path, Path]:
+    (tmp_path / "prefix.txt").write_text(PREFIX)
+    (tmp_path / "cont.txt").write_text(CONTINUATION)
+    return tmp_path / "prefix.txt", tmp_path / "cont.txt"
+
+
+@pytest.mark.parametrize("name", sorted(ISA_LEVELS))
+def test_a_level_capture_grafts_exactly_in_another_process_of_the_level(name: str, tmp_path: Path, texts: tuple[Path, Path],
+                                                                         kvgraft_home: Path) -> None:
+    level = ISA_LEVELS[name]
+    if not _supported(level):
+        pytest.skip(f"this CPU does not support {name}")
+    profile = f"cpu-fp32-{name}"
+    prefix, cont = texts
+    art = tmp_path / "a"
+    captured = _kvgraft(kvgraft_home, level, "capture", "--model", "tiny-llama-test", "--profile", profile, "--text-file", prefix,
+                        "--out", art)
+    assert captured["code"] == 0, captured["stderr"]
+    from kvgraft.schemas import payload_unverified
+
+    signed = json.loads(payload_unverified((art / "statement.dsse.json").read_bytes()))["predicate"]["profile"]
+    # The level and the pins, never the CPU's model name.
+    assert signed["device_fingerprint"] == "x86_64; isa-level=" + name + "; " + "; ".join(
+        f"{k}={v}" for k, v in level.environment().items())
+    grafted = _kvgraft(kvgraft_home, level, "graft", "--artifact", art, "--profile", profile, "--text-file", cont, "--trust-local-key")
+    fresh = _kvgraft(kvgraft_home, level, "fresh", "--model", "tiny-llama-test", "--profile", profile, "--prefix-file", prefix,
+                     "--text-file", cont)
+    assert grafted["code"] == fresh["code"] == 0, grafted["stderr"] + fresh["stderr"]
+    assert grafted["logits_sha256"] == fresh["logits_sha256"]
+    # Started without the level's environment, the same profile is refused, naming the command.
+    plain = _kvgraft(kvgraft_home, None, "graft", "--artifact", art, "--profile", profile, "--text-file", cont, "--trust-local-key")
+    assert plain["code"] == 1 and f"profile level {name} needs this process started with {level.command_prefix()}" in plain["stderr"]
+
+
+def test_the_two_levels_give_the_same_tokens_and_refuse_each_others_artifacts(tmp_path: Path, texts: tuple[Path, Path],
+                                                                             kvgraft_home: Path) -> None:
+    v3, v4 = ISA_LEVELS["x86-64-v3"], ISA_LEVELS["x86-64-v4"]
+    if not (_supported(v3) and _supported(v4)):
+        pytest.skip("this CPU does not support both x86-64-v3 and -v4")
+    prefix, cont = texts
+    args = ("fresh", "--model", "tiny-llama-test", "--prefix-file", prefix, "--text-file", cont)
+    at_v3 = _kvgraft(kvgraft_home, v3, *args, "--profile", "cpu-fp32-x86-64-v3")
+    at_v4 = _kvgraft(kvgraft_home, v4, *args, "--profile", "cpu-fp32-x86-64-v4")
+    assert at_v3["code"] == at_v4["code"] == 0
+    assert at_v3["argmax"] == at_v4["argmax"]
+    art = tmp_path / "v4"
+    assert _kvgraft(kvgraft_home, v4, "capture", "--model", "tiny-llama-test", "--profile", "cpu-fp32-x86-64-v4", "--text-file", prefix,
+                    "--out", art)["code"] == 0
+    refused = _kvgraft(kvgraft_home, v3, "graft", "--artifact", art, "--profile", "cpu-fp32-x86-64-v3", "--text-file", cont,
+                       "--trust-local-key")
+    assert refused["code"] == 1 and "profile.device_fingerprint" in refused["stderr"], refused["stderr"]
+
+
+def test_a_level_profile_is_refused_in_a_process_not_started_with_it() -> None:
+    # This test process was started without any level's environment.
+    level = ISA_LEVELS["x86-64-v3"]
+    with pytest.raises(ProfileMismatchError, match=r"ATEN_CPU_CAPABILITY=\(unset\)") as e:
+        current_profile("cpu-fp32-x86-64-v3")
+    assert level.command_prefix() in (e.value.hint or "")
