@@ -133,6 +133,13 @@ class _Done:
     energy_method: str
 
 
+#: The JSON types of a journal line's fields (an int is also a float's valid JSON form).
+_DONE_TYPES: dict[str, tuple[type, ...]] = {
+    "doc_id": (int,), "prompt": (str,), "output": (str,), "prompt_tokens": (int,), "decode_tokens": (int,),
+    "entry": (str, type(None)), "stopped_by": (str,), "seconds": (int, float), "joules": (int, float), "energy_method": (str,),
+}
+
+
 class _Journal:
     """An evaluation's finished items, one JSON line each after a header naming the run, fsynced
     as each item ends: a run stopped at any point resumes with the items it had finished.
@@ -145,6 +152,7 @@ class _Journal:
     def __init__(self, path: Path, identity: dict[str, Any]) -> None:
         self.path = path
         self.done: dict[int, _Done] = {}
+        self._doc_ids = set(identity["doc_ids"])
         self.header = canonical_json({"format": JOURNAL_FORMAT, "run": identity})
         keep = 0
         if path.exists():
@@ -179,9 +187,17 @@ class _Journal:
                                               hint=stale)
                     return keep
                 try:
-                    done = _Done(**parse_json(line, what=f"{self.path} line {n}"))
-                except (DocumentError, TypeError) as e:
+                    obj = parse_json(line, what=f"{self.path} line {n}")
+                except DocumentError as e:
                     raise EvaluationError(f"{self.path} line {n} is not a finished item: {e}", hint=stale) from e
+                wrong = sorted(set(obj) ^ set(_DONE_TYPES)) if isinstance(obj, dict) else ["(not an object)"]
+                wrong += [k for k, kinds in _DONE_TYPES.items() if k in obj and k not in wrong
+                          and (not isinstance(obj[k], kinds) or isinstance(obj[k], bool))]
+                if wrong or obj["doc_id"] not in self._doc_ids:
+                    raise EvaluationError(f"{self.path} line {n} is not a finished item of this evaluation"
+                                          + (f" (fields {', '.join(wrong)})" if wrong else f" (doc {obj['doc_id']} is not drawn)"),
+                                          hint=stale)
+                done = _Done(**obj)
                 self.done[done.doc_id] = done
                 keep += len(line)
 

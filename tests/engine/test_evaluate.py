@@ -175,3 +175,27 @@ def test_a_copied_library_still_serves_the_fixed_entry(tmp_path: Path, tiny: Loa
                  max_new_tokens=BUDGET)
     assert _outputs(tmp_path / "a") == _outputs(tmp_path / "b")
     assert a.statement.predicate.items == b.statement.predicate.items
+
+
+@pytest.mark.parametrize(("line", "names"), [
+    (b'{"doc_id": 99}\n', "(fields decode_tokens, energy_method, entry"),
+    (b'{"decode_tokens": 1, "doc_id": 77, "energy_method": "estimated", "entry": null, "joules": 0.1, "output": "x", '
+     b'"prompt": "p", "prompt_tokens": 3, "seconds": 0.5, "stopped_by": "eos"}\n', "(doc 77 is not drawn)"),
+    (b'{"decode_tokens": "1", "doc_id": 0, "energy_method": "estimated", "entry": null, "joules": 0.1, "output": "x", '
+     b'"prompt": "p", "prompt_tokens": 3, "seconds": 0.5, "stopped_by": "eos"}\n', "(fields decode_tokens)"),
+    (b"[1, 2]\n", "(fields (not an object))"),
+])
+def test_a_journal_line_that_is_not_a_finished_item_is_refused(tmp_path: Path, tiny: LoadedModel, profile: DeterminismProfile,
+                                                                key: Path, test_set: Path, line: bytes, names: str) -> None:
+    out = tmp_path / "e"
+
+    def stop_at_once(n: int, total: int, item: EvaluationItem) -> None:
+        raise Stopped
+
+    with pytest.raises(Stopped):
+        run_eval(tiny, profile, test_set, out, key=key, max_new_tokens=BUDGET, on_item=stop_at_once)
+    with journal_path(out).open("ab") as f:
+        f.write(line)
+    with pytest.raises(EvaluationError, match=r"e\.journal\.jsonl line 3 is not a finished item of this evaluation") as e:
+        run_eval(tiny, profile, test_set, out, key=key, max_new_tokens=BUDGET)
+    assert names in str(e.value) and "delete" in (e.value.hint or "")
