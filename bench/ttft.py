@@ -19,7 +19,7 @@ Page cache warm for both restores (the files were just written). Target: graft a
 faster than recompute at 4K and growing with length; not slower than llama.cpp's restore.
 
     .venv/bin/python bench/ttft.py [--runs 3] [--lengths 256 1024 2048 4096 8160]
-        [--profiles cpu-fp32 cpu-fp32-sdpa cpu-fp32-kv16]
+        [--profiles cpu-fp32 cpu-fp32-sdpa cpu-fp32-kv16 cpu-fp32-sdpa-kv16]
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2,
                     help="threads for every method (2 is the profile's own; 1 is steadier on a machine others load)")
     ap.add_argument("--skip-llama-recompute", action="store_true", help="leave out llama.cpp's own recompute (not a target)")
-    ap.add_argument("--profiles", nargs="+", default=["cpu-fp32", "cpu-fp32-sdpa", "cpu-fp32-kv16"],
+    ap.add_argument("--profiles", nargs="+", default=["cpu-fp32", "cpu-fp32-sdpa", "cpu-fp32-kv16", "cpu-fp32-sdpa-kv16"],
                     help="the graft's profiles, side by side (the first is reported as 'graft')")
     args = ap.parse_args()
     spec = spec_for(MODEL)

@@ -105,6 +105,9 @@ PROFILES: dict[str, ProfileSettings] = {
     # The fast own-position profile: SDPA on the grouped K/V heads as they are (fast_attention.py).
     "cpu-fp32-sdpa": ProfileSettings(exactness="own-position", threads=2,
                                      attention_implementation=fast_attention.ATTENTION_NAME, matmul_tiling="default"),
+    # Both: the fast attention on the half-size cache.
+    "cpu-fp32-sdpa-kv16": ProfileSettings(exactness="own-position", threads=2, attention_implementation=fast_attention.ATTENTION_NAME,
+                                          matmul_tiling="default", kv_dtype="float16"),
     # Machine-independent within a level: the level pinned, not the CPU model (see the module docstring).
     **{f"cpu-fp32-{level}": ProfileSettings(exactness="own-position", threads=2, attention_implementation="eager",
                                             matmul_tiling="default", isa_level=level) for level in ISA_LEVELS},
@@ -113,6 +116,7 @@ DEFAULT_PROFILE = "cpu-fp32"
 #: Short names accepted wherever a profile is named (``--profile invariant``).
 PROFILE_ALIASES: dict[str, str] = {
     "invariant": "cpu-fp32-invariant", "default": "cpu-fp32", "kv16": "cpu-fp32-kv16", "sdpa": "cpu-fp32-sdpa",
+    "sdpa-kv16": "cpu-fp32-sdpa-kv16",
 }
 #: The storage dtypes a cache may have, by the name a profile's ``dtype`` gives them.
 KV_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}

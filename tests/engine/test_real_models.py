@@ -165,12 +165,13 @@ def test_gemma3_cannot_decode_in_a_batch(gemma3: LoadedModel) -> None:
     assert e.value.hint == "decode it one problem at a time (batch 1)"
 
 
+@pytest.mark.parametrize("name", ["kv16", "sdpa-kv16"])
 def test_kv16_graft_equals_fresh_on_smollm2_and_past_gemma3s_sliding_window(
-    smollm2: LoadedModel, gemma3: LoadedModel, key: Path, tmp_path: Path
+    smollm2: LoadedModel, gemma3: LoadedModel, key: Path, tmp_path: Path, name: str
 ) -> None:
     from kvgraft.engine import current_profile
 
-    kv16 = current_profile("kv16")
+    kv16 = current_profile(name)
     _exact(smollm2, kv16, key, tmp_path / "s", "The capital of France is", " Paris, and the capital of Italy is Rome.")
     # Gemma 3's sliding layers round as they enter too, and their held window is what is stored.
     assert _exact(gemma3, kv16, key, tmp_path / "g", _text_of_tokens(gemma3, 560), "\n\nQuestion: How many apples") == 560
