@@ -283,7 +283,7 @@ class _RoundedLayer(DynamicLayer):
     dtype: torch.dtype
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return super().update(_rounded(key_states, self.dtype), _rounded(value_states, self.dtype), *args, **kwargs)
+        return super().update(*_rounded_pair(key_states, value_states, self.dtype), *args, **kwargs)
 
 
 class _RoundedSlidingLayer(DynamicSlidingWindowLayer):
@@ -293,7 +293,7 @@ class _RoundedSlidingLayer(DynamicSlidingWindowLayer):
     dtype: torch.dtype
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return super().update(_rounded(key_states, self.dtype), _rounded(value_states, self.dtype), *args, **kwargs)
+        return super().update(*_rounded_pair(key_states, value_states, self.dtype), *args, **kwargs)
 
 
 def _new_cache(model: LoadedModel, kv_dtype: torch.dtype) -> DynamicCache:
@@ -305,6 +305,11 @@ def _new_cache(model: LoadedModel, kv_dtype: torch.dtype) -> DynamicCache:
             layer.__class__ = _RoundedSlidingLayer if isinstance(layer, DynamicSlidingWindowLayer) else _RoundedLayer
             layer.dtype = kv_dtype  # type: ignore[attr-defined]
     return cache
+
+
+def _rounded_pair(keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a rounding layer stores of a pass's new keys and values (both rounded layers' one rule)."""
+    return _rounded(keys, dtype), _rounded(values, dtype)
 
 
 def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

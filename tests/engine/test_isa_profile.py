@@ -36,6 +36,14 @@ def _kvgraft(home: Path, level: IsaLevel | None, *args: object) -> dict[str, obj
     return {"code": done.returncode, "stderr": done.stderr, **out}
 
 
+def _refused_here(home: Path, level: IsaLevel, texts: tuple[Path, Path]) -> None:
+    """On a CPU without ``level``, torch dispatches lower even when told the level: the profile
+    must refuse, naming what it got, and nothing is captured."""
+    done = _kvgraft(home, level, "fresh", "--model", "tiny-llama-test", "--profile", f"cpu-fp32-{level.name}",
+                    "--prefix-file", texts[0], "--text-file", texts[1])
+    assert done["code"] == 1 and "torch dispatches to" in str(done["stderr"]), done["stderr"]
+
+
 @pytest.fixture()
 def texts(tmp_path: Path) -> tuple[Path, Path]:
     (tmp_path / "prefix.txt").write_text(PREFIX)
@@ -48,7 +56,8 @@ def test_a_level_capture_grafts_exactly_in_another_process_of_the_level(name: st
                                                                          kvgraft_home: Path) -> None:
     level = ISA_LEVELS[name]
     if not _supported(level):
-        pytest.skip(f"this CPU does not support {name}")
+        _refused_here(kvgraft_home, level, texts)
+        return
     profile = f"cpu-fp32-{name}"
     prefix, cont = texts
     art = tmp_path / "a"
@@ -75,7 +84,10 @@ def test_the_two_levels_give_the_same_tokens_and_refuse_each_others_artifacts(tm
                                                                              kvgraft_home: Path) -> None:
     v3, v4 = ISA_LEVELS["x86-64-v3"], ISA_LEVELS["x86-64-v4"]
     if not (_supported(v3) and _supported(v4)):
-        pytest.skip("this CPU does not support both x86-64-v3 and -v4")
+        for level in (v3, v4):
+            if not _supported(level):
+                _refused_here(kvgraft_home, level, texts)
+        return
     prefix, cont = texts
     args = ("fresh", "--model", "tiny-llama-test", "--prefix-file", prefix, "--text-file", cont)
     at_v3 = _kvgraft(kvgraft_home, v3, *args, "--profile", "cpu-fp32-x86-64-v3")
