@@ -16,6 +16,11 @@ the same pass that computes them, so the pass's own attention already reads the 
 values). The cache's tensors stay float32 for the arithmetic; an artifact stores them in the
 cache dtype, which loses nothing, and a restore widens them back exactly.
 
+A restore writes every artifact of a chain, at its own positions, into a paged pool through
+the graft kernels (``kvpool.LayerPool``: ``kernels.scatter_kv``, then ``kernels.gather_kv``
+for the dense tensors attention reads), and a shifted restore re-rotates keys with
+``kernels.rerotate``: Triton where it runs, the torch references elsewhere, equal bit for bit.
+
 Tensors in an artifact, per layer ``i`` (shape ``[1, kv_heads, tokens, head_dim]``, the
 profile's cache dtype; ``seen`` int64):
 - full layers: ``layers.{i}.keys`` / ``layers.{i}.values`` for the artifact's own positions
@@ -31,9 +36,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from ..kernels import rerotate_reference
+from ..kernels import rerotate
 from . import invariant
 from .errors import ArtifactError
+from .kvpool import LayerPool
 from .models import LoadedModel
 from .profiles import applied_kv_dtype, pass_attention
 
@@ -137,17 +143,25 @@ class KVState:
         state.shift = shift
         _check_chain(model, chain, state.kv_dtype)
         last = chain[-1]
+        kv_heads, head_dim = _kv_shape(model)
         for i, layer in enumerate(_layers(state.cache)):
+            # The layer's restored positions, written into a paged pool through the graft
+            # kernels and read back dense (kvpool.py): a sliding layer its held window, a full
+            # layer every segment of the chain at its own positions.
             if isinstance(layer, DynamicSlidingWindowLayer):
-                keys, values = last.tensors[f"layers.{i}.keys"], last.tensors[f"layers.{i}.values"]
+                parts = [(last.tensors[f"layers.{i}.keys"], last.tensors[f"layers.{i}.values"], 0)]
             else:
-                keys = _joined([s.tensors[f"layers.{i}.keys"] for s in chain])  # [1, h, end, d]
-                values = _joined([s.tensors[f"layers.{i}.values"] for s in chain])
+                parts = [(s.tensors[f"layers.{i}.keys"], s.tensors[f"layers.{i}.values"], s.start) for s in chain]
+            pool = LayerPool(sum(k.shape[2] for k, _, _ in parts), kv_heads, head_dim, state.kv_dtype, torch.device("cpu"))
+            for keys, values, start in parts:
+                pool.write(keys, values, start)
+            keys, values = pool.read()  # [1, h, held, d] each
+            del pool
             # Widened back exactly: the cache computes in float32 whatever it stores.
             keys, values = keys.to(torch.float32), values.to(torch.float32)
             if shift:
-                # The graft kernels' torch reference: the one re-rotation (the Triton kernel equals it bit for bit).
-                keys = rerotate_reference(keys, *_rotation(model, i, shift))  # [1, h, held, d]
+                # The graft kernels' re-rotation: Triton where it runs, else its torch reference (equal bit for bit).
+                keys = rerotate(keys, *_rotation(model, i, shift))  # [1, h, held, d]
             layer.lazy_initialization(keys, values)
             layer.keys, layer.values = keys, values
             if isinstance(layer, DynamicSlidingWindowLayer):
@@ -338,11 +352,11 @@ def _layers(cache: DynamicCache) -> list[DynamicLayer]:
     return layers
 
 
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The parts concatenated along positions; a single part as it is (the cache never writes
-    into its tensors in place: ``update`` concatenates into new ones), so a one-artifact graft
-    does not copy its keys and values."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)  # [1, h, n_i, d] -> [1, h, sum n_i, d]
+def _kv_shape(model: LoadedModel) -> tuple[int, int]:
+    """``(kv_heads, head_dim)`` of ``model``'s cache layers."""
+    config = model.module.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(config.num_key_value_heads), int(head_dim)
 
 
 def _check_chain(model: LoadedModel, chain: list[Segment], kv_dtype: torch.dtype) -> None:
@@ -350,8 +364,7 @@ def _check_chain(model: LoadedModel, chain: list[Segment], kv_dtype: torch.dtype
         raise ArtifactError("no artifact to restore")
     config = model.module.config
     n_layers = config.num_hidden_layers
-    kv_heads = config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads, head_dim = _kv_shape(model)
     layer_kinds = _layers(DynamicCache(config=config))
     cursor = 0
     for seg in chain:

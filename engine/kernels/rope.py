@@ -7,7 +7,7 @@ result is approximate as a graft (it is not what recomputing at ``p + k`` gives)
 reference agree bit for bit: both do ``k * cos + rotate_half(k) * sin`` with the same three
 roundings per element (no fused multiply-add).
 
-``rerotate_reference`` is the engine's one re-rotation: ``KVState.restore(..., shift=k)`` calls it
+``rerotate`` is the engine's one re-rotation: ``KVState.restore(..., shift=k)`` calls it
 on every layer's keys, so a shifted graft, the kernel and this reference compute one thing.
 """
 
