@@ -1,7 +1,7 @@
 """Issue 4's benchmark: what the schedule-invariant profile costs against the default profile.
 
 Prefill tokens/s (a ``prefill``-token prompt in one forward pass) and decode tokens/s (single-token
-steps after that prompt) under ``cpu-fp32`` and ``cpu-fp32-invariant``, for both real models, all
+steps after that prompt) under the default profile (``DEFAULT_PROFILE``, ``cpu-fp32-sdpa`` since issue 16) and ``cpu-fp32-invariant``, for both real models, all
 in ONE process. The two profiles alternate within each repetition (default, invariant, default,
 ...) so that a change in the shared machine's load hits both alike; one warm-up per profile and
 model is excluded. Figures: every run's, the medians, and the ratio invariant / default of the
@@ -19,10 +19,11 @@ from typing import Any
 
 from common import QUICK, corpus_text, figure, median, say, write_result
 
-from kvgraft.engine import KVState, applied, current_profile, load_model
+from kvgraft.engine import DEFAULT_PROFILE, KVState, applied, current_profile, load_model
 
 MODELS = ("smollm2-135m", "gemma3-270m")
-PROFILES = ("cpu-fp32", "cpu-fp32-invariant")
+#: The default profile (the fast one since issue 16) against the schedule-invariant one.
+PROFILES = (DEFAULT_PROFILE, "cpu-fp32-invariant")
 TARGET_RATIO = 1.3
 #: One load per model for all thread counts.
 _load = functools.cache(load_model)
@@ -79,10 +80,10 @@ def bench_model(name: str, runs: int, prefill: int, decode: int, threads: int | 
             "decode_tokens_per_s": 1.0 / step_s,
             "threads": profiles[p].threads,
         }
-    d, i = out["profiles"]["cpu-fp32"], out["profiles"]["cpu-fp32-invariant"]
+    d, i = out["profiles"][PROFILES[0]], out["profiles"][PROFILES[1]]
     out["ratio_prefill"] = i["prefill_s_median"] / d["prefill_s_median"]
     out["ratio_decode"] = i["decode_step_s_median"] / d["decode_step_s_median"]
-    say(f"{name} threads {profiles['cpu-fp32'].threads}: prefill ratio {out['ratio_prefill']:.2f}x, decode ratio {out['ratio_decode']:.2f}x")
+    say(f"{name} threads {profiles[PROFILES[0]].threads}: prefill ratio {out['ratio_prefill']:.2f}x, decode ratio {out['ratio_decode']:.2f}x")
     return out
 
 
@@ -118,7 +119,7 @@ def main() -> None:
         for name in args.models for t in args.threads
     }
     write_result("invariant_profile", {
-        "description": "prefill and decode of the cpu-fp32-invariant profile vs cpu-fp32, medians, one process",
+        "description": f"prefill and decode of the cpu-fp32-invariant profile vs the default {DEFAULT_PROFILE}, medians, one process",
         "target": {"ratio_max": TARGET_RATIO},
         "models": results,
         "met": {n: {"prefill": r["ratio_prefill"] <= TARGET_RATIO, "decode": r["ratio_decode"] <= TARGET_RATIO}

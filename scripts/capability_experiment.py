@@ -198,6 +198,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=2025)
     ap.add_argument("--budget", type=int, default=640)
     ap.add_argument("--batch", type=int, default=24)
+    ap.add_argument("--profile", default=None, help="determinism profile (default: the engine's default)")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "capability")
     ap.add_argument("--work", type=Path, default=ROOT / ".experiments" / "capability")
     ap.add_argument("--key", type=Path, help="the signing key (default: $KVGRAFT_HOME/keys/capability.pem, made when missing)")
@@ -227,7 +228,7 @@ def main() -> None:
             table(args)
             continue
         if model is None:
-            model, profile = load_model(args.model), profile_named("cpu-fp32")
+            model, profile = load_model(args.model), profile_named(args.profile)
         if part == "libraries":
             build_libraries(args, model, profile, key)
         else:

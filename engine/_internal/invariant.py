@@ -1,5 +1,6 @@
-"""Schedule-invariant computation on the CPU: the same token at the same position gets the same
-bits whatever the chunking, the batch it rides in and the thread count.
+"""Schedule-invariant computation (on the CPU in float32, and the same fixed shapes on a GPU in bfloat16 for
+``cuda-bf16-invariant``): the same token at the same position gets the same bits whatever the chunking,
+the batch it rides in and the thread count.
 
 Default CPU kernels are not row-invariant: a matmul with one row (the GEMV path) rounds
 differently from the same row inside a 16-row matmul, an activation's scalar tail loop rounds
@@ -158,6 +159,8 @@ def tiled_elementwise(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: A
     return x.copy_(result) if inplace else result
 
 
+#: The dtypes the fixed-shape routing covers: float32 on the CPU, bfloat16 on a GPU (cuda-bf16-invariant).
+_FLOATS = (torch.float32, torch.bfloat16)
 _ACTIVATIONS: frozenset[Callable[..., Any]] = frozenset({F.silu, F.gelu, torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid})
 
 
@@ -174,9 +177,9 @@ class _InvariantMode(TorchFunctionMode):
             x = args[0] if args else kwargs["input"]
             weight = args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.dim() == 2:
+            if x.dtype in _FLOATS and weight.dtype == x.dtype and weight.dim() == 2:
                 return tiled_linear(x, weight, bias, self.settings)
-        elif func in _ACTIVATIONS and args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32 and args[0].dim() >= 1:
+        elif func in _ACTIVATIONS and args and isinstance(args[0], torch.Tensor) and args[0].dtype in _FLOATS and args[0].dim() >= 1:
             base = torch.sigmoid if func is torch.Tensor.sigmoid else func
             return tiled_elementwise(base, args[0], *args[1:], **kwargs)
         return func(*args, **kwargs)
@@ -254,7 +257,7 @@ def _attention(
     values[:, :, :, d] = 1.0
     keys_t = keys.view(bh, n_blocks, kb, d).transpose(-1, -2)  # [B, Hkv, width, d] -> [B*Hkv, blocks, d, kb]
     values_b = values.view(bh, n_blocks, kb, d + 1)  # [B, Hkv, width, d+1] -> [B*Hkv, blocks, kb, d+1]
-    key_pos = (first_block * kb + torch.arange(n_blocks * kb)).view(n_blocks, kb)  # cache index of each slot: [width] -> [blocks, kb]
+    key_pos = (first_block * kb + torch.arange(n_blocks * kb, device=key.device)).view(n_blocks, kb)  # cache index of each slot: [width] -> [blocks, kb]
     key_ok = ((key_pos >= key_start) & (key_pos < key_start + s)).expand(b, n_blocks, kb)  # [B, blocks, kb]
     if attention_mask is not None:
         if attention_mask.dim() != 2:
@@ -271,8 +274,8 @@ def _attention(
     q_tiles = query.new_zeros(bh, n_tiles * t, d)
     q_tiles[:, :n_rows] = rows
     q_tiles = q_tiles.view(bh, n_tiles, t, d)  # [B*Hkv, rows, d] -> [B*Hkv, tiles, T, d]
-    row_pos = torch.full((n_tiles * t,), -1, dtype=torch.long)
-    row_pos[:n_rows] = (start + torch.arange(q)).repeat_interleave(groups)
+    row_pos = torch.full((n_tiles * t,), -1, dtype=torch.long, device=query.device)
+    row_pos[:n_rows] = (start + torch.arange(q, device=query.device)).repeat_interleave(groups)
     row_pos = row_pos.view(n_tiles, t)  # [rows] -> [tiles, T]
 
     # The (tile, block) pairs that hold a key some row of the tile may see, in (tile, block)
@@ -300,7 +303,7 @@ def _attention(
         ok = ok & (kpos > pos - sliding_window)
     scores = scores.masked_fill(~ok, float("-inf"))
     # The row maximum over every pair of the row's tile: exact, a maximum has no order.
-    top = torch.full((bh, n_tiles, t), float("-inf"), dtype=scores.dtype)
+    top = torch.full((bh, n_tiles, t), float("-inf"), dtype=scores.dtype, device=scores.device)
     # Each pair's row maxima [B*Hkv, P, T] go to its tile: index [P] -> [1, P, 1] -> [B*Hkv, P, T].
     top = top.scatter_reduce(1, ti.view(1, n_pairs, 1).expand(bh, n_pairs, t), scores.amax(dim=-1), "amax")  # [B*Hkv, tiles, T]
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
@@ -311,10 +314,10 @@ def _attention(
 
     # Sum each tile's pairs in ascending absolute block order. table[tile, r] is the tile's r-th
     # pair, or a zero part past its last: adding an exact zero changes nothing.
-    first_pair = torch.searchsorted(ti, torch.arange(n_tiles))
+    first_pair = torch.searchsorted(ti, torch.arange(n_tiles, device=ti.device))
     counts = torch.bincount(ti, minlength=n_tiles)
     depth = int(counts.max())
-    r = torch.arange(depth)
+    r = torch.arange(depth, device=ti.device)
     table = torch.where(r[None, :] < counts[:, None], first_pair[:, None] + r[None, :], torch.full_like(r[None, :], n_pairs))  # [tiles, depth]
     parts = torch.cat([parts, parts.new_zeros(bh, 1, t, d + 1)], dim=1)[:, table]  # [B*Hkv, tiles, depth, T, d+1]
     out = parts[:, :, 0]

@@ -41,7 +41,7 @@ from . import invariant
 from .errors import ArtifactError
 from .kvpool import LayerPool
 from .models import LoadedModel
-from .profiles import applied_kv_dtype, pass_attention
+from .profiles import DEFAULT_PROFILE, applied_kv_dtype, applied_placement, pass_attention, placed
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,12 @@ class KVState:
 
     def __init__(self, model: LoadedModel) -> None:
         self.model = model
-        #: The dtype keys and values are stored in: the profile applied when the state was made.
+        #: Where the model runs and in which dtype, and the dtype keys and values are stored in:
+        #: the profile applied when the state was made (the module is moved there, ``placed``).
+        self.device, self.compute_dtype = applied_placement()
         self.kv_dtype = applied_kv_dtype()
-        self.cache = _new_cache(model, self.kv_dtype)
+        placed(model.module)
+        self.cache = _new_cache(model, self.kv_dtype, self.compute_dtype)
         self.token_ids: list[int] = []
         #: Positions the state was moved by (approximate shifted grafts only; 0 is exact).
         self.shift = 0
@@ -101,20 +104,20 @@ class KVState:
         return parts[0] if len(parts) == 1 else torch.cat(parts)  # chunks' [n_i, vocab] -> [n, vocab]
 
     def _forward(self, ids: list[int], first_kept: int = 0) -> torch.Tensor:
-        input_ids = torch.tensor([ids], dtype=torch.long)  # [1, n]
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
         extra: dict[str, object] = {}
         if first_kept:
             # Positions (within this pass) whose logits are wanted; may be none.
-            extra["logits_to_keep"] = torch.arange(min(first_kept, len(ids)), len(ids))
+            extra["logits_to_keep"] = torch.arange(min(first_kept, len(ids)), len(ids), device=self.device)
         if self.shift:
             # Only RoPE sees the moved positions; masks still count the tokens actually held.
             first = self.end + self.shift
-            extra["position_ids"] = torch.arange(first, first + len(ids), dtype=torch.long)[None, :]  # [1, n]
+            extra["position_ids"] = torch.arange(first, first + len(ids), dtype=torch.long, device=self.device)[None, :]  # [1, n]
         # Under a schedule-invariant profile this names the invariant attention for the pass.
         with pass_attention(self.model.module), invariant.scoped_call(self.model.module, self.end, len(ids)) as invariant_kwargs:
             out = self.model.module(input_ids=input_ids, cache=self.cache, use_cache=True, **extra, **invariant_kwargs)
         self.token_ids.extend(ids)
-        return out.logits[0].to(torch.float32)  # [1, n, vocab] -> [n, vocab]
+        return out.logits[0].to(device="cpu", dtype=torch.float32)  # [1, n, vocab] -> [n, vocab], on the CPU
 
     def export(self, since: int) -> dict[str, torch.Tensor]:
         """The tensors an artifact covering ``[since, end)`` stores (see the module docstring)."""
@@ -152,16 +155,16 @@ class KVState:
                 parts = [(last.tensors[f"layers.{i}.keys"], last.tensors[f"layers.{i}.values"], 0)]
             else:
                 parts = [(s.tensors[f"layers.{i}.keys"], s.tensors[f"layers.{i}.values"], s.start) for s in chain]
-            pool = LayerPool(sum(k.shape[2] for k, _, _ in parts), kv_heads, head_dim, state.kv_dtype, torch.device("cpu"))
+            pool = LayerPool(sum(k.shape[2] for k, _, _ in parts), kv_heads, head_dim, state.kv_dtype, state.device)
             for keys, values, start in parts:
-                pool.write(keys, values, start)
+                pool.write(keys.to(state.device), values.to(state.device), start)
             keys, values = pool.read()  # [1, h, held, d] each
             del pool
-            # Widened back exactly: the cache computes in float32 whatever it stores.
-            keys, values = keys.to(torch.float32), values.to(torch.float32)
+            # Widened back exactly: the cache holds the compute dtype whatever it stores.
+            keys, values = keys.to(state.compute_dtype), values.to(state.compute_dtype)
             if shift:
                 # The graft kernels' re-rotation: Triton where it runs, else its torch reference (equal bit for bit).
-                keys = rerotate(keys, *_rotation(model, i, shift))  # [1, h, held, d]
+                keys = rerotate(keys, *_rotation(model, i, shift, keys))  # [1, h, held, d]
             layer.lazy_initialization(keys, values)
             layer.keys, layer.values = keys, values
             if isinstance(layer, DynamicSlidingWindowLayer):
@@ -195,10 +198,12 @@ class KVBatch:
                 hint="decode it one problem at a time (batch 1)",
             )
         self.model = model
+        self.device, self.compute_dtype = applied_placement()
         self.kv_dtype = applied_kv_dtype()
-        self.cache = _new_cache(model, self.kv_dtype)
+        placed(model.module)
+        self.cache = _new_cache(model, self.kv_dtype, self.compute_dtype)
         #: 1 where a row holds a real position, 0 where it is padded: ``[rows, held]``.
-        self.mask = torch.zeros(0, 0, dtype=torch.long)
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         #: Each row's own length: the position its next token runs at.
         self.ends: list[int] = []
 
@@ -209,7 +214,7 @@ class KVBatch:
         """Append ``state`` as the last row (its shift must be 0: batches run at own positions)."""
         if state.shift:
             raise ArtifactError("a shifted state cannot join a batch", hint="decode shifted grafts one at a time")
-        if state.kv_dtype != self.kv_dtype:
+        if (state.kv_dtype, state.device, state.compute_dtype) != (self.kv_dtype, self.device, self.compute_dtype):
             raise ArtifactError(f"a state storing {state.kv_dtype} cannot join a batch storing {self.kv_dtype}",
                                 hint="make the batch and its rows under the same profile")
         if state.end + 1 > self.model.spec.window:
@@ -228,7 +233,8 @@ class KVBatch:
             else:
                 mine.lazy_initialization(keys, values)
             mine.keys, mine.values = keys, values
-        row = torch.cat([torch.zeros(width - state.end, dtype=torch.long), torch.ones(state.end, dtype=torch.long)])  # [width]
+        row = torch.cat([torch.zeros(width - state.end, dtype=torch.long, device=self.device),
+                         torch.ones(state.end, dtype=torch.long, device=self.device)])  # [width]
         self.mask = torch.cat([_left_pad(self.mask, width, dim=1), row[None, :]])  # [rows + 1, width]
         self.ends.append(state.end)
 
@@ -240,11 +246,11 @@ class KVBatch:
         if len(keep) == len(self.ends):
             return
         if not keep:
-            self.cache = _new_cache(self.model, self.kv_dtype)
-            self.mask = torch.zeros(0, 0, dtype=torch.long)
+            self.cache = _new_cache(self.model, self.kv_dtype, self.compute_dtype)
+            self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
             self.ends = []
             return
-        index = torch.tensor(keep, dtype=torch.long)
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
         mask = self.mask.index_select(0, index)  # [rows, held] -> [kept, held]
         first = int(mask.any(dim=0).nonzero()[0])  # the first column a kept row holds
         for layer in _layers(self.cache):
@@ -266,15 +272,15 @@ class KVBatch:
             raise ArtifactError(f"a row would pass {self.model.spec.name}'s window of {self.model.spec.window}",
                                 hint="remove rows that have reached the window")
         rows = len(tokens)
-        input_ids = torch.tensor(tokens, dtype=torch.long)[:, None]  # [rows, 1]
-        position_ids = torch.tensor(self.ends, dtype=torch.long)[:, None]  # [rows, 1]
-        mask = torch.cat([self.mask, torch.ones(rows, 1, dtype=torch.long)], dim=1)  # [rows, held + 1]
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # [rows, 1]
+        position_ids = torch.tensor(self.ends, dtype=torch.long, device=self.device)[:, None]  # [rows, 1]
+        mask = torch.cat([self.mask, torch.ones(rows, 1, dtype=torch.long, device=self.device)], dim=1)  # [rows, held + 1]
         with pass_attention(self.model.module):
             out = self.model.module(input_ids=input_ids, cache=self.cache, attention_mask=mask, position_ids=position_ids,
                                     use_cache=True)
         self.mask = mask
         self.ends = [e + 1 for e in self.ends]
-        return out.logits[:, -1].to(torch.float32)  # [rows, 1, vocab] -> [rows, vocab]
+        return out.logits[:, -1].to(device="cpu", dtype=torch.float32)  # [rows, 1, vocab] -> [rows, vocab], on the CPU
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int = -2) -> torch.Tensor:
@@ -310,11 +316,12 @@ class _RoundedSlidingLayer(DynamicSlidingWindowLayer):
         return super().update(*_rounded_pair(key_states, value_states, self.dtype), *args, **kwargs)
 
 
-def _new_cache(model: LoadedModel, kv_dtype: torch.dtype) -> DynamicCache:
+def _new_cache(model: LoadedModel, kv_dtype: torch.dtype, compute_dtype: torch.dtype) -> DynamicCache:
     """An empty cache for ``model`` storing ``kv_dtype``: transformers' own layers, made rounding
-    ones (``_RoundedLayer``, ``_RoundedSlidingLayer``) when the dtype is narrower than float32."""
+    ones (``_RoundedLayer``, ``_RoundedSlidingLayer``) when the dtype is narrower than the
+    model computes in."""
     cache = DynamicCache(config=model.module.config)
-    if kv_dtype != torch.float32:
+    if kv_dtype != compute_dtype:
         for layer in _layers(cache):
             layer.__class__ = _RoundedSlidingLayer if isinstance(layer, DynamicSlidingWindowLayer) else _RoundedLayer
             layer.dtype = kv_dtype  # type: ignore[attr-defined]
@@ -330,7 +337,7 @@ def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     narrow = t.to(dtype)
     if not bool(torch.isfinite(narrow).all()) and bool(torch.isfinite(t).all()):
         raise ArtifactError(f"a key or value of {float(t.abs().max()):.4g} is beyond {dtype}'s range",
-                            hint="use a float32 profile (--profile cpu-fp32) for this model")
+                            hint=f"use a float32 profile (--profile {DEFAULT_PROFILE}) for this model")
     return narrow.to(t.dtype)
 
 
@@ -405,13 +412,14 @@ def _check_chain(model: LoadedModel, chain: list[Segment], kv_dtype: torch.dtype
         cursor = seg.end
 
 
-def _rotation(model: LoadedModel, layer: int, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotation(model: LoadedModel, layer: int, shift: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # The model's own rotary module gives cos/sin for an angle of `shift` positions, with the
     # right base for the layer: Gemma 3's local and global layers use different bases; Llama's
     # and Qwen2's layers share one (Qwen2.5's theta of 1e6 comes from its GGUF, via the config).
     rotary = model.module.model.rotary_emb
-    x = torch.zeros(1, dtype=torch.float32)
-    pos = torch.tensor([[shift]], dtype=torch.long)  # [1, 1]
+    # In the keys' dtype, on their device: the angles are what the model's own RoPE would apply there.
+    x = torch.zeros(1, dtype=like.dtype, device=like.device)
+    pos = torch.tensor([[shift]], dtype=torch.long, device=like.device)  # [1, 1]
     if model.spec.architecture == "gemma3":
         cos, sin = rotary(x, pos, model.module.config.layer_types[layer])
     else:  # "llama", "qwen2"

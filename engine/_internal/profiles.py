@@ -86,6 +86,8 @@ class ProfileSettings:
     kv_dtype: str = "float32"
     #: The instruction-set level pinned instead of the CPU's model name (``ISA_LEVELS``), if any.
     isa_level: str | None = None
+    #: Where the model runs: ``cpu`` or ``cuda`` (the first GPU).
+    device: str = "cpu"
 
 
 #: The named profiles. ``cpu-fp32`` is own-position exact: a graft equals recomputing the same
@@ -111,20 +113,53 @@ PROFILES: dict[str, ProfileSettings] = {
     # Machine-independent within a level: the level pinned, not the CPU model (see the module docstring).
     **{f"cpu-fp32-{level}": ProfileSettings(exactness="own-position", threads=2, attention_implementation="eager",
                                             matmul_tiling="default", isa_level=level) for level in ISA_LEVELS},
+    # On a GPU: bfloat16 weights, cache and arithmetic (no TF32, no reduced-precision
+    # reductions), SDPA on the grouped heads; own-position exact, as cpu-fp32-sdpa is.
+    "cuda-bf16": ProfileSettings(exactness="own-position", threads=1, attention_implementation=fast_attention.ATTENTION_NAME,
+                                 matmul_tiling="default", dtype="bfloat16", kv_dtype="bfloat16", device="cuda"),
+    # Batch-invariant on a GPU: the invariant kernels' fixed shapes (every linear layer a batch of
+    # [16, K] x [K, 2048] GEMMs, so cuBLAS picks one algorithm, split-K or not, for every call;
+    # attention over absolute-position key blocks summed in a fixed order), as Thinking Machines'
+    # batch-invariant ops and vLLM's batch-invariant mode fix them.
+    "cuda-bf16-invariant": ProfileSettings(
+        exactness="schedule-invariant", threads=1, attention_implementation=invariant.ATTENTION_NAME,
+        matmul_tiling=invariant.tiling_name(invariant.InvariantSettings()), dtype="bfloat16", kv_dtype="bfloat16", device="cuda",
+    ),
 }
-DEFAULT_PROFILE = "cpu-fp32"
+#: The profile a command runs under when none is named: the fast own-position one. ``cpu-fp32``
+#: (eager attention, the repeated K/V heads materialised) stays for the artifacts made under it.
+DEFAULT_PROFILE = "cpu-fp32-sdpa"
 #: Short names accepted wherever a profile is named (``--profile invariant``).
 PROFILE_ALIASES: dict[str, str] = {
-    "invariant": "cpu-fp32-invariant", "default": "cpu-fp32", "kv16": "cpu-fp32-kv16", "sdpa": "cpu-fp32-sdpa",
+    "invariant": "cpu-fp32-invariant", "default": DEFAULT_PROFILE, "eager": "cpu-fp32", "kv16": "cpu-fp32-kv16",
+    "sdpa": "cpu-fp32-sdpa",
     "sdpa-kv16": "cpu-fp32-sdpa-kv16",
 }
 #: The storage dtypes a cache may have, by the name a profile's ``dtype`` gives them.
-KV_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
+KV_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: The dtypes a profile's weights and arithmetic may have.
+COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: What a CUDA profile's process must be started with: cuBLAS's deterministic workspace, which
+#: ``torch.use_deterministic_algorithms`` needs and cuBLAS reads once, at its first call.
+CUDA_ENVIRONMENT: dict[str, str] = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 _KV_MARK = "+kv-"
 #: The cache dtype of the profile applied now (``applied``); float32 outside any.
 _APPLIED_KV_DTYPE: contextvars.ContextVar[torch.dtype] = contextvars.ContextVar("kvgraft_kv_dtype", default=torch.float32)
 #: The attention implementation of the profile applied now; None outside any (the model's own).
 _APPLIED_ATTENTION: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvgraft_attention", default=None)
+#: Where the profile applied now runs the model, and in which dtype; the CPU in float32 outside any.
+_APPLIED_PLACEMENT: contextvars.ContextVar[tuple[str, torch.dtype]] = contextvars.ContextVar(
+    "kvgraft_placement", default=("cpu", torch.float32))
+
+
+def compute_dtype(profile: DeterminismProfile) -> torch.dtype:
+    """The dtype of ``profile``'s weights and arithmetic (the part of ``dtype`` before ``+kv-``)."""
+    name = profile.dtype.partition(_KV_MARK)[0]
+    try:
+        return COMPUTE_DTYPES[name]
+    except KeyError as e:
+        raise UnknownModelError(f"profile {profile.name} computes in {name!r}, which kvgraft does not run",
+                                hint=f"use a profile of {', '.join(PROFILES)}") from e
 
 
 def kv_dtype(profile: DeterminismProfile) -> torch.dtype:
@@ -154,6 +189,49 @@ def pass_attention(module: PreTrainedModel) -> Iterator[None]:
         yield
     finally:
         config._attn_implementation = previous
+
+
+def applied_placement() -> tuple[torch.device, torch.dtype]:
+    """The device and dtype the profile ``applied`` now runs the model in (the CPU in float32
+    when none is)."""
+    device, dtype = _APPLIED_PLACEMENT.get()
+    return torch.device(device), dtype
+
+
+def placed(module: PreTrainedModel) -> PreTrainedModel:
+    """``module`` on the applied profile's device in its dtype, moved there in place on first use.
+
+    A model is loaded on the CPU in float32. A CUDA profile moves it to the GPU in bfloat16;
+    that rounds the weights, so the same loaded model is refused afterwards by a float32 profile
+    (load it again) rather than silently run with rounded weights.
+    """
+    device, dtype = applied_placement()
+    first = next(module.parameters())
+    if first.device.type == device.type and first.dtype == dtype:
+        return module
+    if first.dtype != torch.float32:
+        raise ProfileMismatchError(
+            f"the model was moved to {first.device.type} {str(first.dtype).removeprefix('torch.')} for another profile; "
+            f"this one runs it on {device.type} in {str(dtype).removeprefix('torch.')}",
+            hint="load the model again (kvgraft.engine.load_model) for a profile of another device or dtype")
+    # torch's own Module.to: transformers wraps PreTrainedModel.to in a decorator mypy cannot call.
+    torch.nn.Module.to(module, device=device, dtype=dtype)
+    return module
+
+
+def _cuda_fingerprint() -> str:
+    """The GPU as kernels see it, once this process is checked to be able to run a CUDA profile."""
+    if not torch.cuda.is_available():
+        raise ProfileMismatchError("a CUDA profile needs a GPU; torch sees none here",
+                                   hint="run CUDA profiles on a machine with an NVIDIA GPU and a CUDA build of torch")
+    wrong = [f"{k}={os.environ.get(k, '(unset)')}" for k, v in CUDA_ENVIRONMENT.items() if os.environ.get(k) != v]
+    if wrong:
+        prefix = "env " + " ".join(f"{k}={v}" for k, v in CUDA_ENVIRONMENT.items())
+        raise ProfileMismatchError(f"a CUDA profile needs this process started with {prefix}; here {', '.join(wrong)}",
+                                   hint=f"run the command as: {prefix} kvgraft ...")
+    major, minor = torch.cuda.get_device_capability(0)
+    return (f"{torch.cuda.get_device_name(0)}; sm_{major}{minor}; cuda={torch.version.cuda}; "
+            f"cudnn={torch.backends.cudnn.version()}")
 
 
 def applied_kv_dtype() -> torch.dtype:
@@ -193,21 +271,25 @@ def isa_fingerprint(level: IsaLevel) -> str:
     return f"{platform.machine()}; isa-level={level.name}; " + "; ".join(f"{k}={v}" for k, v in level.environment().items())
 
 
-def current_profile(name: str = DEFAULT_PROFILE) -> DeterminismProfile:
-    """The full profile ``name`` (or its alias) on this machine with these library versions."""
-    name = PROFILE_ALIASES.get(name, name)
+def current_profile(name: str | None = None) -> DeterminismProfile:
+    """The full profile ``name`` (or its alias; None: ``DEFAULT_PROFILE``) on this machine with
+    these library versions."""
+    name = PROFILE_ALIASES.get(name, name) if name is not None else DEFAULT_PROFILE
     try:
         s = PROFILES[name]
     except KeyError as e:
-        raise UnknownModelError(f"no determinism profile named {name!r}; known: {', '.join(PROFILES)}", hint="use --profile cpu-fp32") from e
+        raise UnknownModelError(f"no determinism profile named {name!r}; known: {', '.join(PROFILES)}", hint=f"use --profile {DEFAULT_PROFILE} (the default)") from e
     kernel_versions = {"mkldnn": str(torch.backends.mkldnn.is_available()), "openmp": str(torch.backends.openmp.is_available())}
     if s.exactness == "schedule-invariant":
         kernel_versions["kvgraft_invariant"] = invariant.settings_from_tiling(s.matmul_tiling).describe()
-    fingerprint = device_fingerprint() if s.isa_level is None else isa_fingerprint(ISA_LEVELS[s.isa_level])
+    if s.device == "cuda":
+        fingerprint = _cuda_fingerprint()
+    else:
+        fingerprint = device_fingerprint() if s.isa_level is None else isa_fingerprint(ISA_LEVELS[s.isa_level])
     return DeterminismProfile(
         name=name,
         exactness=s.exactness,
-        device_kind="cpu",
+        device_kind=s.device,
         device_fingerprint=fingerprint,
         dtype=s.dtype if s.kv_dtype == s.dtype else f"{s.dtype}{_KV_MARK}{s.kv_dtype}",
         torch_version=torch.__version__,
@@ -223,9 +305,10 @@ def current_profile(name: str = DEFAULT_PROFILE) -> DeterminismProfile:
 
 @contextlib.contextmanager
 def applied(profile: DeterminismProfile) -> Iterator[None]:
-    """Pin the profile's threads, deterministic algorithms, cache dtype and attention (named for
-    each forward pass by ``pass_attention``), and for a schedule-invariant profile install the
-    invariant kernels; restore the previous state after."""
+    """Pin the profile's threads, deterministic algorithms, device and dtype (``placed``), cache
+    dtype and attention (named for each forward pass by ``pass_attention``), on a GPU full-precision
+    reductions (no TF32, no reduced-precision bfloat16 sums, no cuDNN autotuning), and for a
+    schedule-invariant profile install the invariant kernels; restore the previous state after."""
     kernels = (
         invariant.installed(invariant.settings_from_tiling(profile.matmul_tiling))
         if profile.exactness == "schedule-invariant" else contextlib.nullcontext()
@@ -235,6 +318,8 @@ def applied(profile: DeterminismProfile) -> Iterator[None]:
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     grad = torch.is_grad_enabled()
     cache_dtype = _APPLIED_KV_DTYPE.set(kv_dtype(profile))
+    placement = _APPLIED_PLACEMENT.set(("cuda" if profile.device_kind == "cuda" else "cpu", compute_dtype(profile)))
+    gpu = _GpuMath() if profile.device_kind == "cuda" else None
     if profile.attention_implementation == fast_attention.ATTENTION_NAME:
         fast_attention.register()
     attention = _APPLIED_ATTENTION.set(profile.attention_implementation)
@@ -245,11 +330,33 @@ def applied(profile: DeterminismProfile) -> Iterator[None]:
         with kernels:
             yield
     finally:
+        if gpu is not None:
+            gpu.restore()
+        _APPLIED_PLACEMENT.reset(placement)
         _APPLIED_ATTENTION.reset(attention)
         _APPLIED_KV_DTYPE.reset(cache_dtype)
         torch.set_grad_enabled(grad)
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
         torch.set_num_threads(threads)
+
+
+class _GpuMath:
+    """Full-precision, non-autotuned GPU math while a CUDA profile is applied (the previous
+    settings back on ``restore``)."""
+
+    def __init__(self) -> None:
+        matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+        self.saved = (matmul.allow_tf32, matmul.allow_bf16_reduced_precision_reduction,
+                      matmul.allow_fp16_reduced_precision_reduction, cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic)
+        matmul.allow_tf32 = False
+        matmul.allow_bf16_reduced_precision_reduction = False
+        matmul.allow_fp16_reduced_precision_reduction = False
+        cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic = False, False, True
+
+    def restore(self) -> None:
+        matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+        (matmul.allow_tf32, matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction,
+         cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic) = self.saved
 
 
 def require_same(

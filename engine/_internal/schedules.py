@@ -19,7 +19,7 @@ from .errors import InputTextError
 from .kernel_errors import ScheduleError
 from .models import LoadedModel
 from .ops import Continuation
-from .profiles import applied
+from .profiles import applied, placed
 
 
 def prefill(model: LoadedModel, sequences: list[list[int]], *, keep_from: int = 0, pad_id: int = 0) -> list[torch.Tensor]:
@@ -37,14 +37,15 @@ def prefill(model: LoadedModel, sequences: list[list[int]], *, keep_from: int = 
         raise ScheduleError(f"{longest} positions exceed {model.spec.name}'s window of {model.spec.window}", hint="use shorter texts")
     if not 0 <= keep_from < min(len(s) for s in sequences):
         raise ScheduleError(f"keep_from {keep_from} is outside the shortest sequence", hint="keep_from must be below every length")
-    input_ids = torch.full((len(sequences), longest), pad_id, dtype=torch.long)  # [B, longest]
+    device = placed(model.module).device
+    input_ids = torch.full((len(sequences), longest), pad_id, dtype=torch.long, device=device)  # [B, longest]
     for i, s in enumerate(sequences):
-        input_ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-    keep = torch.arange(keep_from, longest)  # positions whose logits the lm head computes
+        input_ids[i, :len(s)] = torch.tensor(s, dtype=torch.long, device=device)
+    keep = torch.arange(keep_from, longest, device=device)  # positions whose logits the lm head computes
     cache = DynamicCache(config=model.module.config)
     with invariant.scoped_call(model.module, 0, len(sequences) * longest) as invariant_kwargs:
         out = model.module(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=keep, **invariant_kwargs)
-    logits = out.logits.to(torch.float32)  # [B, longest - keep_from, vocab]
+    logits = out.logits.to(device="cpu", dtype=torch.float32)  # [B, longest - keep_from, vocab], on the CPU
     return [logits[i, :len(s) - keep_from] for i, s in enumerate(sequences)]
 
 

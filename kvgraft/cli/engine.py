@@ -43,7 +43,9 @@ def add_key_options(p: argparse.ArgumentParser) -> None:
 
 def add_profile_option(p: argparse.ArgumentParser) -> None:
     """``--profile``: the determinism profile the command runs under."""
-    p.add_argument("--profile", default="cpu-fp32", help="determinism profile (default cpu-fp32)")
+    p.add_argument("--profile", default=None,
+                   help="determinism profile (default: the engine's default, the fast own-position cpu-fp32-sdpa; "
+                        "cpu-fp32 is the eager one; docs/architecture.md lists them all)")
 
 
 def resolve_trust(args: argparse.Namespace) -> Trust:
@@ -81,8 +83,9 @@ def load_verified(directory: Path, model: LoadedModel, profile: DeterminismProfi
     return load_artifact(directory, model, profile, trusted=trust.keys, insecure_skip_verify=trust.skip)
 
 
-def model_and_profile(name: str, profile: str) -> tuple[LoadedModel, DeterminismProfile]:
-    """Model ``name`` (loaded from its cache) and the determinism profile ``profile`` of this machine."""
+def model_and_profile(name: str, profile: str | None) -> tuple[LoadedModel, DeterminismProfile]:
+    """Model ``name`` (loaded from its cache) and the determinism profile ``profile`` (None: the
+    default) of this machine."""
     from kvgraft.engine import current_profile, load_model
 
     return load_model(name), current_profile(profile)
@@ -226,14 +229,16 @@ def _cmd_exactness(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_engine_serve(args: argparse.Namespace) -> dict[str, Any]:
-    from kvgraft.engine import ServeConfig, ServeSettings, serve_engine
+    from kvgraft.engine import ServeConfig, ServeSettings, current_profile, serve_engine
 
     libraries = tuple(args.library or ())
     # Only libraries hold artifacts to graft: without one there is nothing to verify.
     trust = resolve_trust(args) if libraries else None
     settings = ServeSettings(max_queue=args.max_queue, request_timeout=args.request_timeout,
                              max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens)
-    config = ServeConfig(model=args.model, profile=args.profile, libraries=libraries, trust=trust, settings=settings)
+    # The profile's canonical name (an alias resolved), as the libraries' metadata records it.
+    config = ServeConfig(model=args.model, profile=current_profile(args.profile).name, libraries=libraries, trust=trust,
+                         settings=settings)
     started = serve_engine(config, host=args.host, port=args.port, log_level=args.log_level)
     if not started:
         raise CliError(f"the engine server did not start on {args.host}:{args.port}",

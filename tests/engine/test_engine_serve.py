@@ -32,6 +32,8 @@ from ..processes import REPO, KvgraftProcess, free_port
 
 DATA = REPO / "data" / "datasets"
 MODEL = "tiny-llama-test"
+#: The model of the `busy` server, whose answers must outlast its request timeout.
+BUSY_MODEL = "smollm2-135m"
 #: Every error answer's body: OpenAI's error object.
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -306,12 +308,13 @@ def test_unknown_paths_and_methods_are_404_and_405(server: EngineServer) -> None
 @pytest.fixture(scope="module")
 def busy(libs: Libraries) -> Iterator[EngineServer]:
     """A server without a library (the model's own answers run to max_tokens), one place in its
-    queue and a short request timeout."""
-    with engine_server(libs.root / "busy.log", "--model", MODEL, "--max-queue", "1", "--request-timeout", "3") as running:
+    queue and a short request timeout. SmolLM2, not the tiny model: the tiny model decodes to its
+    window in about 2 s under the SDPA profile, before the timeout could bind."""
+    with engine_server(libs.root / "busy.log", "--model", BUSY_MODEL, "--max-queue", "1", "--request-timeout", "3") as running:
         yield running
 
 
-_LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4000, "stream": True}
+_LONG = {"model": BUSY_MODEL, "prompt": "Once upon a time", "max_tokens": 4000, "stream": True}
 
 
 def _health(server: EngineServer) -> dict[str, Any]:
@@ -351,7 +354,7 @@ def test_queue_full_is_429_and_a_hang_up_cancels_decoding(busy: EngineServer) ->
         assert (error["type"], error["code"]) == ("rate_limit_error", "queue_full")
         assert "--max-queue 1" in error["message"]
         with pytest.raises(openai.RateLimitError):
-            busy.client().completions.create(model=MODEL, prompt="x", max_tokens=1)
+            busy.client().completions.create(model=BUSY_MODEL, prompt="x", max_tokens=1)
         hung_up = time.monotonic()
     # The first client hung up: its decoding stops at the next token and the waiting one is answered.
     waiting.join(timeout=30)
@@ -365,7 +368,7 @@ def test_non_streaming_hang_up_cancels_decoding(busy: EngineServer) -> None:
     with contextlib.suppress(httpx.ReadTimeout):
         httpx.post(busy.url + "/v1/completions", json={**_LONG, "stream": False}, timeout=0.5)
     t0 = time.monotonic()
-    r = httpx.post(busy.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
+    r = httpx.post(busy.url + "/v1/completions", json={"model": BUSY_MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200 and time.monotonic() - t0 < 1.5
 
 
@@ -378,13 +381,13 @@ def test_a_request_past_its_timeout_is_504_and_stops(busy: EngineServer) -> None
     assert "request timeout of 3 s" in error["message"]
     # Streamed, the answer has begun: the failure is the stream's last event (the client raises it).
     with pytest.raises(openai.APIError, match="request timeout of 3 s"):
-        for _ in busy.client().completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4000, stream=True):
+        for _ in busy.client().completions.create(model=BUSY_MODEL, prompt="Once upon a time", max_tokens=4000, stream=True):
             pass
     _until(lambda: _health(busy)["running"] is False, "the worker stopped decoding", seconds=3)
 
 
 def test_without_a_library_the_model_answers_alone(busy: EngineServer) -> None:
-    chat = busy.client().chat.completions.create(**_chat("Once upon a time", max_tokens=5))
+    chat = busy.client().chat.completions.create(**{**_chat("Once upon a time", max_tokens=5), "model": BUSY_MODEL})
     kv = chat.to_dict()["kvgraft"]
     assert (kv["method"], kv["entry"], kv["signature"], kv["answer"]) == ("none", None, "none (nothing grafted)", None)
     assert kv["context_tokens"] == kv["prompt_tokens"] > 0 and kv["decode_tokens"] == 5

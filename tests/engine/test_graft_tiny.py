@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from kvgraft.engine import (
+    DEFAULT_PROFILE,
     ArtifactError,
     KVState,
     LoadedModel,
     ProfileMismatchError,
+    UnknownModelError,
     applied,
     capture,
     current_profile,
@@ -136,7 +138,7 @@ def test_tampered_tensors_refused(tiny: LoadedModel, profile: DeterminismProfile
 def test_other_profile_refused_naming_fields(tiny: LoadedModel, profile: DeterminismProfile, artifact: Path, key: Path) -> None:
     other = profile.model_copy(update={"threads": profile.threads + 1, "attention_implementation": "sdpa"})
     _refused_without_running(tiny, lambda: load_artifact(artifact, tiny, other, trusted=trust_signer(key)), ProfileMismatchError,
-                             r"profile\.threads: artifact 2, here 3; profile\.attention_implementation: artifact 'eager', here 'sdpa'")
+                             r"profile\.threads: artifact 2, here 3; profile\.attention_implementation: artifact 'kvgraft_sdpa_gqa', here 'sdpa'")
 
 
 def test_other_model_refused(tiny: LoadedModel, profile: DeterminismProfile, artifact: Path, key: Path) -> None:
@@ -220,7 +222,7 @@ def test_kv16_cache_holds_only_float16_values(tiny: LoadedModel, kv16: Determini
 def test_kv16_artifact_refused_under_the_float32_profile(tiny: LoadedModel, profile: DeterminismProfile, kv16: DeterminismProfile,
                                                          key: Path, tmp_path: Path) -> None:
     capture(tiny, kv16, "Hello, world.", tmp_path / "h", key=key)
-    with pytest.raises(ProfileMismatchError, match=r"profile\.name: artifact 'cpu-fp32-kv16', here 'cpu-fp32'.*"
+    with pytest.raises(ProfileMismatchError, match=rf"profile\.name: artifact 'cpu-fp32-kv16', here '{profile.name}'.*"
                        r"profile\.dtype: artifact 'float32\+kv-float16', here 'float32'"):
         load_artifact(tmp_path / "h", tiny, profile, trusted=trust_signer(key))
 
@@ -232,16 +234,24 @@ def test_kv16_refuses_a_value_beyond_float16s_range(tiny: LoadedModel, kv16: Det
     monkeypatch.setattr(layer.weight, "data", layer.weight.data * 1e7)
     with applied(kv16), pytest.raises(ArtifactError, match=r"a key or value of .* is beyond torch\.float16's range") as e:
         KVState(tiny).extend(tiny.tokenizer.encode("Hello", first=True))
-    assert e.value.hint == "use a float32 profile (--profile cpu-fp32) for this model"
+    assert e.value.hint == "use a float32 profile (--profile cpu-fp32-sdpa) for this model"
+
+
+def test_the_default_profile_is_the_fast_one_and_the_eager_one_is_kept() -> None:
+    assert current_profile().name == current_profile("default").name == DEFAULT_PROFILE == "cpu-fp32-sdpa"
+    assert current_profile("eager").attention_implementation == "eager"
+    with pytest.raises(UnknownModelError, match="no determinism profile named 'cpu-fp64'") as e:
+        current_profile("cpu-fp64")
+    assert e.value.hint == "use --profile cpu-fp32-sdpa (the default)"
 
 
 # --- the fast profile (cpu-fp32-sdpa) ---------------------------------------------------------
 
 
-def test_sdpa_graft_equals_fresh_bitwise_with_its_own_attention(tiny: LoadedModel, profile: DeterminismProfile, key: Path,
-                                                                 tmp_path: Path) -> None:
-    sdpa = current_profile("sdpa")
+def test_sdpa_graft_equals_fresh_bitwise_with_its_own_attention(tiny: LoadedModel, key: Path, tmp_path: Path) -> None:
+    sdpa, profile = current_profile("sdpa"), current_profile("eager")
     assert sdpa.name == "cpu-fp32-sdpa" and sdpa.attention_implementation == "kvgraft_sdpa_gqa"
+    assert profile.name == "cpu-fp32" and profile.attention_implementation == "eager"
     prefix, continuation = PREFIXES[2], " and then it rained for three days."
     capture(tiny, sdpa, prefix, tmp_path / "a", key=key)
     art = load_artifact(tmp_path / "a", tiny, sdpa, trusted=trust_signer(key))

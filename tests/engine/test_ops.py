@@ -120,7 +120,7 @@ def test_shifted_restore_rerotates_keys_with_the_kernels_reference(
     moved = KVState.restore(tiny, artifact.segments(), shift=shift)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for i, (a, b) in enumerate(zip(own.cache.layers, moved.cache.layers, strict=True)):
-        cos, sin = _rotation(tiny, i, shift)  # [1, 1, 1, d]
+        cos, sin = _rotation(tiny, i, shift, a.keys)  # [1, 1, 1, d]
         assert torch.equal(b.keys, rerotate_reference(a.keys, cos, sin)) and torch.equal(b.values, a.values)
         # The formula with the model's [1, 1, 1, d] angles broadcast, as the engine wrote it before.
         half = a.keys.shape[-1] // 2
