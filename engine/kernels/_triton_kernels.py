@@ -50,10 +50,13 @@ def _gather_kv(
 def _rerotate(
     keys, out, cos, sin,
     src_h, src_t, dst_h, dst_t, tokens, half,
-    BLOCK_HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, OUT_BF16: tl.constexpr,
 ):
     # One program per (kv head, token): out = k * cos + rotate_half(k) * sin, with
-    # rotate_half(k) = [-k2, k1]; the same three roundings per element as the torch reference.
+    # rotate_half(k) = [-k2, k1], computed in float32 with the same three roundings per element
+    # as the torch reference, then rounded once to the keys' dtype (to nearest, ties to even) on
+    # the store. For bfloat16 the rounding is spelled out on the bits: Triton's CPU interpreter
+    # truncates a float32 -> bfloat16 cast where a GPU rounds it.
     row = tl.program_id(0)
     head = row // tokens
     token = row % tokens
@@ -61,14 +64,22 @@ def _rerotate(
     inside = offs < half
     src = keys + head * src_h + token * src_t
     dst = out + head * dst_h + token * dst_t
-    k1 = tl.load(src + offs, mask=inside)
-    k2 = tl.load(src + half + offs, mask=inside)
-    c1 = tl.load(cos + offs, mask=inside)
-    c2 = tl.load(cos + half + offs, mask=inside)
-    s1 = tl.load(sin + offs, mask=inside)
-    s2 = tl.load(sin + half + offs, mask=inside)
-    tl.store(dst + offs, k1 * c1 + (-k2) * s1, mask=inside)
-    tl.store(dst + half + offs, k2 * c2 + k1 * s2, mask=inside)
+    k1 = tl.load(src + offs, mask=inside).to(tl.float32)
+    k2 = tl.load(src + half + offs, mask=inside).to(tl.float32)
+    c1 = tl.load(cos + offs, mask=inside).to(tl.float32)
+    c2 = tl.load(cos + half + offs, mask=inside).to(tl.float32)
+    s1 = tl.load(sin + offs, mask=inside).to(tl.float32)
+    s2 = tl.load(sin + half + offs, mask=inside).to(tl.float32)
+    first = k1 * c1 + (-k2) * s1
+    second = k2 * c2 + k1 * s2
+    if OUT_BF16:
+        bits1 = first.to(tl.uint32, bitcast=True)
+        bits2 = second.to(tl.uint32, bitcast=True)
+        # Round to nearest even: add 0x7fff plus the lowest kept bit, keep the high 16 bits.
+        first = ((bits1 + 0x7FFF + ((bits1 >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        second = ((bits2 + 0x7FFF + ((bits2 >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    tl.store(dst + offs, first.to(out.dtype.element_ty), mask=inside)
+    tl.store(dst + half + offs, second.to(out.dtype.element_ty), mask=inside)
 
 
 @functools.cache

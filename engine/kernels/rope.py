@@ -4,8 +4,10 @@ RoPE rotations compose: a key rotated for position ``p`` becomes the key for ``p
 rotated by the angle of ``k``. ``cos``/``sin`` are the model's own for a shift of ``k``
 positions (per layer base for Gemma 3), ``[head_dim]`` or anything that broadcasts to it. The
 result is approximate as a graft (it is not what recomputing at ``p + k`` gives), but kernel and
-reference agree bit for bit: both do ``k * cos + rotate_half(k) * sin`` with the same three
-roundings per element (no fused multiply-add).
+reference agree bit for bit: both do ``k * cos + rotate_half(k) * sin`` in float32 with the same
+three roundings per element (no fused multiply-add), then round once to the keys' dtype (a no-op
+for float32 keys; for bfloat16 or float16 keys it fixes what the arithmetic rounds to, which
+otherwise would depend on whether a backend rounds each operation or only the result).
 
 ``rerotate`` is the engine's one re-rotation: ``KVState.restore(..., shift=k)`` calls it
 on every layer's keys, so a shifted graft, the kernel and this reference compute one thing.
@@ -39,8 +41,9 @@ def rerotate_reference(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     """``keys * cos + rotate_half(keys) * sin`` in torch, for keys ``[B, H, t, d]``."""
     cos, sin = _angles(keys, cos, sin)
     half = keys.shape[-1] // 2
-    rotated_half = torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)  # [B, H, t, d]
-    return keys * cos + rotated_half * sin
+    wide, cos32, sin32 = keys.to(torch.float32), cos.to(torch.float32), sin.to(torch.float32)
+    rotated_half = torch.cat([-wide[..., half:], wide[..., :half]], dim=-1)  # [B, H, t, d]
+    return (wide * cos32 + rotated_half * sin32).to(keys.dtype)
 
 
 def rerotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: Backend = "auto") -> torch.Tensor:
@@ -57,7 +60,7 @@ def rerotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backen
         kernels().rerotate[(b * h * t,)](
             rows, out, cos.contiguous(), sin.contiguous(),
             rows.stride(0), rows.stride(1), out.stride(0), out.stride(1), t, d // 2,
-            BLOCK_HALF=block_for(d // 2),
+            BLOCK_HALF=block_for(d // 2), OUT_BF16=keys.dtype == torch.bfloat16,
             # On a GPU the compiler may fuse k*c + r*s into one FMA, changing a rounding.
             enable_fp_fusion=False,
         )

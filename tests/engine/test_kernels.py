@@ -152,6 +152,24 @@ def test_rerotate_kernel_equals_reference(h: int, d: int, t: int, shift: int) ->
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("h", "d"), LAYOUTS)
+def test_rerotate_of_half_precision_keys_rounds_once_to_nearest_even_like_the_reference(
+    h: int, d: int, dtype: torch.dtype
+) -> None:
+    # The bug: Triton's interpreter truncated the float32 -> bfloat16 cast a GPU rounds, so the
+    # kernel and the reference differed by one unit in the last place. Both now compute in
+    # float32 and round once, to nearest even.
+    keys, _ = _kv(h, d, 40, seed=d)
+    keys = keys.to(dtype)
+    cos, sin = (a.to(dtype) for a in _angles(d, 7, 10000.0))
+    ref = rerotate_reference(keys, cos, sin)
+    wide = (keys.float() * cos.float() + torch.cat([-keys[..., d // 2:], keys[..., :d // 2]], -1).float() * sin.float())
+    assert ref.dtype == dtype and torch.equal(ref, wide.to(dtype))
+    assert torch.equal(rerotate(keys, cos, sin, backend="triton"), ref)
+
+
+@needs_triton
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"])
 def test_rerotate_with_the_models_own_rotary(name: str) -> None:
