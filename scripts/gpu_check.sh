@@ -31,7 +31,10 @@ if [ "${1:-}" = "--download" ]; then
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform any \
     "transformers==5.24.0" "cryptography" "pydantic>=2" "rfc8785==0.1.4" "sigstore==4.5.1" "safetensors" "gguf" \
-    "sentencepiece" "tokenizers" "huggingface_hub" "numpy" "tqdm"
+    "sentencepiece" "tokenizers" "huggingface_hub" "tqdm"
+  # The GPU image has its own numpy (and --system-site-packages lets the venv use it): one call
+  # carries at most 64 MiB with the tree, and numpy's wheel alone is 15 MB.
+  rm -f "$WHEELS"/numpy-*.whl
   du -sh "$WHEELS"
   exit 0
 fi
