@@ -5,7 +5,7 @@ steps after that prompt) under the default profile (``DEFAULT_PROFILE``, ``cpu-f
 in ONE process. The two profiles alternate within each repetition (default, invariant, default,
 ...) so that a change in the shared machine's load hits both alike; one warm-up per profile and
 model is excluded. Figures: every run's, the medians, and the ratio invariant / default of the
-median times (target: at most 1.3x).
+median times (target: at most 1.5x, the aim issue 16 sets for the new default).
 
     .venv/bin/python bench/invariant_profile.py [--runs 5] [--prefill 256] [--decode 16]
 """
@@ -24,7 +24,8 @@ from kvgraft.engine import DEFAULT_PROFILE, KVState, applied, current_profile, l
 MODELS = ("smollm2-135m", "gemma3-270m")
 #: The default profile (the fast one since issue 16) against the schedule-invariant one.
 PROFILES = (DEFAULT_PROFILE, "cpu-fp32-invariant")
-TARGET_RATIO = 1.3
+#: Issue 16: "<= 1.5x on prefill is the aim" for the new default (issue 4 had asked 1.3x of cpu-fp32).
+TARGET_RATIO = 1.5
 #: One load per model for all thread counts.
 _load = functools.cache(load_model)
 
