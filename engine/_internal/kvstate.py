@@ -201,7 +201,11 @@ class KVBatch:
         self.device, self.compute_dtype = applied_placement()
         self.kv_dtype = applied_kv_dtype()
         placed(model.module)
-        self.cache = _new_cache(model, self.kv_dtype, self.compute_dtype)
+        self._reset()
+
+    def _reset(self) -> None:
+        """No rows: an empty cache and mask."""
+        self.cache = _new_cache(self.model, self.kv_dtype, self.compute_dtype)
         #: 1 where a row holds a real position, 0 where it is padded: ``[rows, held]``.
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         #: Each row's own length: the position its next token runs at.
@@ -246,9 +250,7 @@ class KVBatch:
         if len(keep) == len(self.ends):
             return
         if not keep:
-            self.cache = _new_cache(self.model, self.kv_dtype, self.compute_dtype)
-            self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
-            self.ends = []
+            self._reset()
             return
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         mask = self.mask.index_select(0, index)  # [rows, held] -> [kept, held]
@@ -335,7 +337,9 @@ def _rounded_pair(keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) 
 
 def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     narrow = t.to(dtype)
-    if not bool(torch.isfinite(narrow).all()) and bool(torch.isfinite(t).all()):
+    # One pass in the common case: only an infinity after rounding can mean an overflow, and only
+    # then is the wide tensor looked at (it may have held the infinity itself).
+    if bool(torch.isinf(narrow).any()) and bool(torch.isfinite(t).all()):
         raise ArtifactError(f"a key or value of {float(t.abs().max()):.4g} is beyond {dtype}'s range",
                             hint=f"use a float32 profile (--profile {DEFAULT_PROFILE}) for this model")
     return narrow.to(t.dtype)
