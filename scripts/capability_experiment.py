@@ -219,9 +219,15 @@ def main() -> None:
     kvgraft = [sys.executable, "-m", "kvgraft"]
     if not key.exists():
         subprocess.run([*kvgraft, "keys", "generate", "--out", str(key)], check=True)
-    if not (args.out / "trusted-keys.json").exists():
-        subprocess.run([*kvgraft, "keys", "trust", "--file", str(args.out / "trusted-keys.json"), "--name", "kvgraft-capability",
-                        "--public-key", f"{key}.pub"], check=True)
+    # Trusted beside the records: a key made on another machine (a later session's) is added under
+    # a name of its own, so that the earlier records keep verifying.
+    trusted_file = args.out / "trusted-keys.json"
+    public = Path(f"{key}.pub").read_text()
+    entries = json.loads(trusted_file.read_text())["keys"] if trusted_file.exists() else []
+    if all(e["public_key_pem"].strip() != public.strip() for e in entries):
+        name = "kvgraft-capability" if not entries else f"kvgraft-capability-{len(entries) + 1}"
+        subprocess.run([*kvgraft, "keys", "trust", "--file", str(trusted_file), "--name", name, "--public-key", f"{key}.pub"],
+                       check=True)
     model = profile = None
     for part in parts:
         if part == "table":
