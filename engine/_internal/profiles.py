@@ -381,4 +381,7 @@ def require_same(
         if a != b:
             diffs.append(f"profile.{field}: artifact {a!r}, here {b!r}")
     if diffs:
-        raise ProfileMismatchError(f"the artifact was made in another context: {'; '.join(diffs)}")
+        # Since the default profile changed (issue 16), a name mismatch is the likeliest cause: say which to pass.
+        hint = (f"pass --profile {artifact_profile.name}, the profile the artifact was captured under"
+                if artifact_profile.name != profile.name and artifact_profile.name in PROFILES else None)
+        raise ProfileMismatchError(f"the artifact was made in another context: {'; '.join(diffs)}", hint=hint)

@@ -223,8 +223,10 @@ def test_kv16_artifact_refused_under_the_float32_profile(tiny: LoadedModel, prof
                                                          key: Path, tmp_path: Path) -> None:
     capture(tiny, kv16, "Hello, world.", tmp_path / "h", key=key)
     with pytest.raises(ProfileMismatchError, match=rf"profile\.name: artifact 'cpu-fp32-kv16', here '{profile.name}'.*"
-                       r"profile\.dtype: artifact 'float32\+kv-float16', here 'float32'"):
+                       r"profile\.dtype: artifact 'float32\+kv-float16', here 'float32'") as e:
         load_artifact(tmp_path / "h", tiny, profile, trusted=trust_signer(key))
+    # The hint names the profile to pass (the default changed in issue 16: an old artifact's likeliest refusal).
+    assert e.value.hint == "pass --profile cpu-fp32-kv16, the profile the artifact was captured under"
 
 
 def test_kv16_refuses_a_value_beyond_float16s_range(tiny: LoadedModel, kv16: DeterminismProfile,
