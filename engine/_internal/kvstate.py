@@ -13,8 +13,9 @@ and so a wrong attention mask.
 The cache stores keys and values in the applied profile's cache dtype (``profiles.kv_dtype``):
 float32 as computed, or rounded to float16 as they enter the cache (``_RoundedLayer``, in
 the same pass that computes them, so the pass's own attention already reads the rounded
-values). The cache's tensors stay float32 for the arithmetic; an artifact stores them in the
-cache dtype, which loses nothing, and a restore widens them back exactly.
+values). The cache's tensors stay in the profile's compute dtype (float32 on the CPU) for the
+arithmetic; an artifact stores them in the cache dtype, which loses nothing, and a restore widens
+them back exactly. The state lives on the profile's device (``profiles.placed``).
 
 A restore writes every artifact of a chain, at its own positions, into a paged pool through
 the graft kernels (``kvpool.LayerPool``: ``kernels.scatter_kv``, then ``kernels.gather_kv``
@@ -219,7 +220,8 @@ class KVBatch:
         if state.shift:
             raise ArtifactError("a shifted state cannot join a batch", hint="decode shifted grafts one at a time")
         if (state.kv_dtype, state.device, state.compute_dtype) != (self.kv_dtype, self.device, self.compute_dtype):
-            raise ArtifactError(f"a state storing {state.kv_dtype} cannot join a batch storing {self.kv_dtype}",
+            raise ArtifactError(f"a state on {state.device} computing {state.compute_dtype} and storing {state.kv_dtype} "
+                                f"cannot join a batch on {self.device} computing {self.compute_dtype} and storing {self.kv_dtype}",
                                 hint="make the batch and its rows under the same profile")
         if state.end + 1 > self.model.spec.window:
             raise ArtifactError(f"a state of {state.end} positions has no room left in the window",

@@ -207,6 +207,13 @@ def test_kv_batch_refuses_what_it_cannot_run(tiny: LoadedModel, profile: Determi
         with pytest.raises(ArtifactError, match=r"2 tokens for a batch of 1 rows") as e:
             batch.step([1, 2])
         assert e.value.hint == "pass one token per row"
+    with applied(current_profile("kv16")):
+        half = KVState(tiny)
+        half.extend(tiny.tokenizer.encode("Hello", first=True))
+    with pytest.raises(ArtifactError, match=r"a state on cpu computing torch\.float32 and storing torch\.float16 cannot join "
+                                            r"a batch on cpu computing torch\.float32 and storing torch\.float32") as e:
+        batch.add(half)
+    assert e.value.hint == "make the batch and its rows under the same profile"
     with pytest.raises(InputTextError, match="batched decoding needs an own-position profile"):
         decode_batch(tiny, current_profile("invariant"), [], batch=2, on_done=lambda i, d: None)
     with pytest.raises(InputTextError, match="batch 0 is not a positive number of rows"):
