@@ -165,7 +165,10 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any
     held_out = _questions(TEST, max(4, args.requests))
     gguf = locate_gguf(spec)
     ports = {"library": free_port(), "base": free_port(), "llama": free_port()}
-    serve = [*KVGRAFT, "engine", "serve", "--model", name, "--log-level", "warning", "--host", "127.0.0.1"]
+    # The request timeout counts the queue wait: 8 clients of a model whose answers take 20-30 s
+    # (qwen2.5-coder-0.5b's base and grafted-example answers) wait past the default 120 s.
+    serve = [*KVGRAFT, "engine", "serve", "--model", name, "--log-level", "warning", "--host", "127.0.0.1",
+             "--request-timeout", "1200"]
     llama = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "llama", "--host", "127.0.0.1",
              "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "4096"]
     rows = []
