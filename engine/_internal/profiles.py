@@ -16,7 +16,9 @@ library torch calls dispatches to, not the CPU's model name: ATen's vector kerne
 (``ATEN_CPU_CAPABILITY``), MKL's conditional numerical reproducibility (``MKL_CBWR``, strict) and
 oneDNN's ISA ceiling (``ONEDNN_MAX_CPU_ISA``). Each is read once when the library starts, so the
 process must be started with them (``IsaLevel.command_prefix``); ``current_profile`` refuses
-one that was not. An artifact captured under a level then grafts bit-exactly on any machine that
+one that was not, and a CPU whose kernel does not report the level's flags (``/proc/cpuinfo``),
+before any kernel runs: torch takes ``ATEN_CPU_CAPABILITY`` at its word on a VM that hides
+AVX-512, and its AVX-512 code would then die of SIGILL. An artifact captured under a level then grafts bit-exactly on any machine that
 supports the level (and runs the same torch, transformers and thread count).
 """
 
@@ -55,6 +57,10 @@ class IsaLevel:
     mkl_cbwr: str
     #: ``ONEDNN_MAX_CPU_ISA``: the highest ISA oneDNN may use.
     onednn_max_isa: str
+    #: The CPU flags (``/proc/cpuinfo``, the kernel's view) the level's code needs. Checked
+    #: before torch's own report, which can claim a level the kernel has not enabled (a VM that
+    #: hides AVX-512): code of that level then dies of SIGILL instead of being refused.
+    cpu_flags: tuple[str, ...]
 
     def environment(self) -> dict[str, str]:
         """The variables the process must be started with."""
@@ -62,14 +68,25 @@ class IsaLevel:
 
     def command_prefix(self) -> str:
         """``env VAR=value ...``, to put before a command."""
-        return "env " + " ".join(f"{k}={v}" for k, v in self.environment().items())
+        return _env_prefix(self.environment())
+
+
+def _env_prefix(environment: dict[str, str]) -> str:
+    """``env VAR=value ...``: the command prefix that starts a process with ``environment``."""
+    return "env " + " ".join(f"{k}={v}" for k, v in environment.items())
+
+
+def _unmet(environment: dict[str, str]) -> list[str]:
+    """``VAR=actual`` for each variable of ``environment`` this process was not started with."""
+    return [f"{k}={os.environ.get(k, '(unset)')}" for k, v in environment.items() if os.environ.get(k) != v]
 
 
 #: The x86-64 micro-architecture levels a profile can pin (psABI names).
 ISA_LEVELS: dict[str, IsaLevel] = {
-    "x86-64-v3": IsaLevel("x86-64-v3", aten="avx2", torch_capability="AVX2", mkl_cbwr="AVX2,STRICT", onednn_max_isa="AVX2"),
+    "x86-64-v3": IsaLevel("x86-64-v3", aten="avx2", torch_capability="AVX2", mkl_cbwr="AVX2,STRICT", onednn_max_isa="AVX2",
+                          cpu_flags=("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave")),
     "x86-64-v4": IsaLevel("x86-64-v4", aten="avx512", torch_capability="AVX512", mkl_cbwr="AVX512,STRICT",
-                          onednn_max_isa="AVX512_CORE"),
+                          onednn_max_isa="AVX512_CORE", cpu_flags=("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")),
 }
 
 
@@ -224,9 +241,9 @@ def _cuda_fingerprint() -> str:
     if not torch.cuda.is_available():
         raise ProfileMismatchError("a CUDA profile needs a GPU; torch sees none here",
                                    hint="run CUDA profiles on a machine with an NVIDIA GPU and a CUDA build of torch")
-    wrong = [f"{k}={os.environ.get(k, '(unset)')}" for k, v in CUDA_ENVIRONMENT.items() if os.environ.get(k) != v]
+    wrong = _unmet(CUDA_ENVIRONMENT)
     if wrong:
-        prefix = "env " + " ".join(f"{k}={v}" for k, v in CUDA_ENVIRONMENT.items())
+        prefix = _env_prefix(CUDA_ENVIRONMENT)
         raise ProfileMismatchError(f"a CUDA profile needs this process started with {prefix}; here {', '.join(wrong)}",
                                    hint=f"run the command as: {prefix} kvgraft ...")
     major, minor = torch.cuda.get_device_capability(0)
@@ -238,6 +255,16 @@ def applied_kv_dtype() -> torch.dtype:
     """The cache dtype of the profile ``applied`` now (float32 when none is): what a new
     ``KVState`` stores its keys and values in."""
     return _APPLIED_KV_DTYPE.get()
+
+
+def _cpu_flags() -> frozenset[str] | None:
+    """The CPU flags the kernel reports (``/proc/cpuinfo``); None where it reports none."""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    return None
 
 
 def _cpu_model() -> str:
@@ -257,7 +284,16 @@ def device_fingerprint() -> str:
 def isa_fingerprint(level: IsaLevel) -> str:
     """The device fingerprint of an instruction-set-level profile, once this process is checked
     to run at ``level`` (``ProfileMismatchError`` naming the command that would otherwise)."""
-    wrong = [f"{k}={os.environ.get(k, '(unset)')}" for k, v in level.environment().items() if os.environ.get(k) != v]
+    flags = _cpu_flags()
+    lacking = [flag for flag in level.cpu_flags if flags is not None and flag not in flags]
+    if lacking:
+        lower = [name for name, other in ISA_LEVELS.items() if flags is not None and set(other.cpu_flags) <= flags]
+        raise ProfileMismatchError(
+            f"profile level {level.name} needs CPU flags this CPU lacks: {', '.join(lacking)} (/proc/cpuinfo)",
+            hint=(f"choose a level this CPU has: {', '.join(f'--profile cpu-fp32-{name}' for name in lower)}" if lower else
+                  "no instruction-set level fits this CPU: use a profile without one (the default)"),
+        )
+    wrong = _unmet(level.environment())
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != level.torch_capability:
         wrong.append(f"torch dispatches to {capability}")

@@ -642,8 +642,8 @@ def _internal_error(request: Request[Any, Any, Any], exc: Exception) -> Response
 def _load(config: ServeConfig) -> _Served:
     """The model and its libraries, each library's prefix verified now (a library that does not
     verify keeps the server from starting); entries are verified when they are grafted."""
+    profile = current_profile(config.profile)  # first: see kvgraft.cli.engine.model_and_profile
     model = load_model(config.model)
-    profile = current_profile(config.profile)
     libraries = []
     for directory in config.libraries:
         trust = config.trust

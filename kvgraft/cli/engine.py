@@ -85,10 +85,12 @@ def load_verified(directory: Path, model: LoadedModel, profile: DeterminismProfi
 
 def model_and_profile(name: str, profile: str | None) -> tuple[LoadedModel, DeterminismProfile]:
     """Model ``name`` (loaded from its cache) and the determinism profile ``profile`` (None: the
-    default) of this machine."""
+    default) of this machine. The profile first: it refuses a machine it cannot run on before
+    loading runs a single kernel (one of a level the CPU lacks would die of SIGILL)."""
     from kvgraft.engine import current_profile, load_model
 
-    return load_model(name), current_profile(profile)
+    checked = current_profile(profile)
+    return load_model(name), checked
 
 
 def _artifact_model(directory: Path, trust: Trust) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvgraft.engine import ProfileMismatchError, current_profile
+from kvgraft.engine._internal import profiles
 from kvgraft.engine._internal.profiles import ISA_LEVELS, IsaLevel
 
 PREFIX = "The quick brown fox jumps over the lazy dog. " * 8
@@ -37,11 +38,13 @@ def _kvgraft(home: Path, level: IsaLevel | None, *args: object) -> dict[str, obj
 
 
 def _refused_here(home: Path, level: IsaLevel, texts: tuple[Path, Path]) -> None:
-    """On a CPU without ``level``, torch dispatches lower even when told the level: the profile
-    must refuse, naming what it got, and nothing is captured."""
+    """On a CPU without ``level`` the profile must refuse, naming the flags it lacks, before any
+    kernel runs: torch may believe ``ATEN_CPU_CAPABILITY`` over a kernel that hides the level (a
+    VM), and a kernel of that level then dies of SIGILL (exit -4) instead."""
     done = _kvgraft(home, level, "fresh", "--model", "tiny-llama-test", "--profile", f"cpu-fp32-{level.name}",
                     "--prefix-file", texts[0], "--text-file", texts[1])
-    assert done["code"] == 1 and "torch dispatches to" in str(done["stderr"]), done["stderr"]
+    assert done["code"] == 1, done["stderr"]
+    assert f"profile level {level.name} needs CPU flags this CPU lacks: {level.cpu_flags[0]}" in str(done["stderr"]), done["stderr"]
 
 
 @pytest.fixture()
@@ -108,3 +111,17 @@ def test_a_level_profile_is_refused_in_a_process_not_started_with_it() -> None:
     with pytest.raises(ProfileMismatchError, match=r"ATEN_CPU_CAPABILITY=\(unset\)") as e:
         current_profile("cpu-fp32-x86-64-v3")
     assert level.command_prefix() in (e.value.hint or "")
+
+
+def test_sigill_regression_a_level_the_cpu_lacks_is_refused_by_the_kernels_flags_not_torchs_word(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The bug: on a VM whose kernel hides AVX-512, torch still reported AVX512 when told
+    # ATEN_CPU_CAPABILITY=avx512, the check passed, and loading the model died of SIGILL. The
+    # flags are the kernel's (/proc/cpuinfo); here a CPU of level v3 only, on any machine.
+    v3, v4 = ISA_LEVELS["x86-64-v3"], ISA_LEVELS["x86-64-v4"]
+    monkeypatch.setattr(profiles, "_cpu_flags", lambda: frozenset(v3.cpu_flags))
+    for k, v in v4.environment().items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ProfileMismatchError, match="profile level x86-64-v4 needs CPU flags this CPU lacks: avx512f, avx512bw") as e:
+        current_profile("cpu-fp32-x86-64-v4")
+    assert e.value.hint == "choose a level this CPU has: --profile cpu-fp32-x86-64-v3"
