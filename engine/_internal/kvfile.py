@@ -9,12 +9,17 @@ The format is the one documented at https://github.com/huggingface/safetensors.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import mmap
+import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+
+from kvgraft.schemas import Sha256Digest, Sha256Hex, prefixed
 
 from .errors import KvFileError
 
@@ -52,14 +57,48 @@ def serialize(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] |
     return struct.pack("<Q", len(text)) + text + b"".join(blobs)
 
 
-def deserialize(data: bytes, *, source: str = "kv file") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Parse safetensors bytes strictly; return (tensors, metadata)."""
+def read_hashed(path: Path) -> tuple[memoryview, Sha256Digest]:
+    """``path``'s bytes, as a writable buffer the caller owns, and their SHA-256.
+
+    The buffer is allocated unwritten and read into directly (``bytes`` would be copied once
+    more by ``deserialize``, a zeroed ``bytearray`` written once more before the read): handed
+    to ``deserialize``, its tensors are views of it. Raises ``OSError`` when the file cannot be
+    read, and ``KvFileError`` when it changes size while it is read (the bytes hashed would not
+    be the file's).
+    """
+    with path.open("rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        # Anonymous memory: the kernel maps its pages in as the read first writes them.
+        buf = memoryview(mmap.mmap(-1, size) if size else bytearray())
+        done = 0
+        while done < size:
+            n = f.readinto(buf[done:])
+            if not n:
+                raise KvFileError(f"{path} shrank from {size} to {done} bytes while it was read",
+                                  hint="something is writing the file: read it again once it is complete")
+            done += n
+        if f.read(1):
+            raise KvFileError(f"{path} grew past {size} bytes while it was read",
+                              hint="something is writing the file: read it again once it is complete")
+    return buf, prefixed(Sha256Hex(hashlib.sha256(buf).hexdigest()))
+
+
+def deserialize(data: bytes | memoryview, *, source: str = "kv file") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Parse safetensors bytes strictly; return (tensors, metadata).
+
+    From ``bytes`` (or a read-only buffer) each tensor gets a copy of its bytes, which it owns:
+    the caller's bytes stay immutable. From a writable buffer (``read_hashed``'s) the tensors
+    are views of it where their data is aligned to their element size (a copy otherwise): the
+    caller hands the buffer over and must not write it afterwards. Either way no two tensors
+    share a byte (the spans are checked disjoint).
+    """
+    owned = isinstance(data, memoryview) and not data.readonly
     if len(data) < 8:
         raise KvFileError(f"{source} is {len(data)} bytes, too short for a safetensors header")
     (n,) = struct.unpack("<Q", data[:8])
     if n > MAX_HEADER or n > len(data) - 8:
         raise KvFileError(f"{source} declares a {n}-byte header but holds {len(data) - 8} bytes after the length")
-    raw_header = data[8 : 8 + n]
+    raw_header = bytes(data[8 : 8 + n])
     # A safetensors header is one object of tensor objects (and __metadata__): never deeper
     # than 3 levels. Refusing deeper nesting up front keeps json.loads from recursing until
     # RecursionError on a header like "[[[[...".
@@ -92,13 +131,15 @@ def deserialize(data: bytes, *, source: str = "kv file") -> tuple[dict[str, torc
                 f"{source}: tensor {name} of shape {shape} and dtype {info['dtype']} needs "
                 f"{count * _BY_NAME[info['dtype']][1]} bytes, but its offsets [{start}, {end}) do not fit the {len(body)}-byte body"
             )
-        # One copy, into a buffer the tensor owns (and may write): the caller's bytes stay immutable.
-        raw = bytearray(body[start:end])
-        if dtype == torch.bfloat16:
-            t = torch.frombuffer(raw, dtype=torch.int16).view(torch.bfloat16) if raw else torch.empty(0, dtype=dtype)
+        size = _BY_NAME[info["dtype"]][1]
+        raw: bytes | bytearray | memoryview
+        if owned and (8 + n + start) % size == 0:
+            raw, offset = data, 8 + n + start  # a view of the handed-over buffer
         else:
-            t = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-        tensors[name] = t.reshape(shape)
+            raw, offset = bytearray(body[start:end]), 0  # one copy, which the tensor owns (and may write)
+        as_type = torch.int16 if dtype == torch.bfloat16 else dtype
+        t = torch.frombuffer(raw, dtype=as_type, count=count, offset=offset) if count else torch.empty(0, dtype=as_type)
+        tensors[name] = t.view(dtype).reshape(shape)
     spans.sort()
     cursor = 0
     for start, end, name in spans:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load as st_load
 
 from kvgraft.engine import KvFileError, deserialize, serialize
+from kvgraft.engine._internal.kvfile import read_hashed
+from kvgraft.schemas import sha256_bytes
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -71,3 +74,34 @@ def _with_header(header: dict, body: bytes) -> bytes:  # type: ignore[type-arg]
 def test_hostile_headers_are_refused(data: bytes, message: str) -> None:
     with pytest.raises(KvFileError, match=message):
         deserialize(data)
+    # The same from a buffer handed over (read_hashed's), whose tensors would be views.
+    with pytest.raises(KvFileError, match=message):
+        deserialize(memoryview(bytearray(data)))
+
+
+def _inside(t: torch.Tensor, buf: memoryview) -> bool:
+    base = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+    return base <= t.data_ptr() < base + len(buf)
+
+
+def test_read_hashed_gives_the_files_digest_and_tensors_that_view_its_buffer(tmp_path: Path) -> None:
+    t = {**_tensors(), "layers.2.keys": torch.randn(1, 2, 3, 4).to(torch.bfloat16), "layers.3.keys": torch.randn(3).half()}
+    data = serialize(t)
+    (tmp_path / "kv.safetensors").write_bytes(data)
+    buf, digest = read_hashed(tmp_path / "kv.safetensors")
+    assert bytes(buf) == data and digest == sha256_bytes(data)
+    back, _ = deserialize(buf)
+    copied, _ = deserialize(data)
+    for name in t:
+        assert torch.equal(back[name], t[name]) and back[name].dtype == t[name].dtype
+        assert _inside(back[name], buf) == (t[name].numel() > 0), name  # views, not copies
+        assert not _inside(copied[name], buf)
+
+
+def test_a_misaligned_tensor_in_a_handed_over_buffer_is_copied_not_viewed() -> None:
+    # A header a byte longer than the 8-byte padding leaves every F32 tensor at an odd address.
+    header = json.dumps({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode() + b" "
+    header += b" " * ((-len(header) % 8) + 1)
+    buf = memoryview(bytearray(struct.pack("<Q", len(header)) + header + struct.pack("<2f", 1.5, -2.0)))
+    back, _ = deserialize(buf)
+    assert back["a"].tolist() == [1.5, -2.0] and not _inside(back["a"], buf)
