@@ -1,7 +1,7 @@
 """The capability experiment (issue 17): does a grafted worked example help a model that can reason?
 
     .venv/bin/python scripts/capability_experiment.py [--model qwen2.5-coder-1.5b] [--size 100]
-        [--seed 2025] [--budget 640] [--batch 24] [--out results/capability] [--work DIR]
+        [--seed 2025] [--budget 1024] [--batch 24] [--out results/capability] [--work DIR]
         [--key KEY] [--only libraries,similar,base,fixed,table]
 
 Held-out transfer on GSM8K test: ``--size`` problems drawn with ``--seed``, each answered three
@@ -196,7 +196,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--size", type=int, default=100)
     ap.add_argument("--seed", type=int, default=2025)
-    ap.add_argument("--budget", type=int, default=640)
+    ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=24)
     ap.add_argument("--profile", default=None, help="determinism profile (default: the engine's default)")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "capability")
