@@ -85,11 +85,16 @@ def build_libraries(args: argparse.Namespace, model: Any, profile: Any, key: Pat
             return Library.open(directory, model, profile, trusted=trust_signer(key, None, name="experiment key"))
         return Library.create(directory, model, profile, kind=train.kind, key=key, trusted=trusted)
 
-    similar = open_or_create(args.work / "lib-similar")
-    for n, i in enumerate(chosen):
-        solution = worked_solution(train, i)
-        entry = similar.deposit(train, i, solution or "", key=key) if solution is not None else None
-        log(f"deposit similar {n + 1}/{len(chosen)}: train doc {i} {'ok' if entry is not None else 'refused'}")
+    # Only the similar condition asks the similar library: once its record exists (a later
+    # session finishing the other conditions), the 100 deposits are not made again.
+    if (args.out / "similar").exists():
+        log(f"similar: {args.out / 'similar'} exists, its library is not rebuilt")
+    else:
+        similar = open_or_create(args.work / "lib-similar")
+        for n, i in enumerate(chosen):
+            solution = worked_solution(train, i)
+            entry = similar.deposit(train, i, solution or "", key=key) if solution is not None else None
+            log(f"deposit similar {n + 1}/{len(chosen)}: train doc {i} {'ok' if entry is not None else 'refused'}")
     # The fixed control: least similar to the whole slice, of typical length.
     lengths = sorted(len(worked_solution(train, i) or "") for i in chosen)
     median = statistics.median(lengths)

@@ -126,12 +126,12 @@ def deserialize(data: bytes | memoryview, *, source: str = "kv file") -> tuple[d
         count = 1
         for dim in shape:
             count *= dim
-        if end - start != count * _BY_NAME[info["dtype"]][1] or end > len(body):
+        size = _DTYPES[dtype][1]
+        if end - start != count * size or end > len(body):
             raise KvFileError(
                 f"{source}: tensor {name} of shape {shape} and dtype {info['dtype']} needs "
-                f"{count * _BY_NAME[info['dtype']][1]} bytes, but its offsets [{start}, {end}) do not fit the {len(body)}-byte body"
+                f"{count * size} bytes, but its offsets [{start}, {end}) do not fit the {len(body)}-byte body"
             )
-        size = _BY_NAME[info["dtype"]][1]
         raw: bytes | bytearray | memoryview
         if owned and (8 + n + start) % size == 0:
             raw, offset = data, 8 + n + start  # a view of the handed-over buffer

@@ -41,8 +41,10 @@ from kvgraft.schemas import (
     LIBRARY_FILE,
     LIBRARY_INDEX_FILE,
     LIBRARY_PREFIX_DIR,
+    AnswerMethod,
     DeterminismProfile,
     DocumentError,
+    Provenance,
     Sha256Digest,
     canonical_json,
     parse_json,
@@ -186,7 +188,7 @@ class Hit:
     """The entry found for a question and how: ``exact`` (same normalized problem) or ``similar``."""
 
     entry: Entry
-    method: str
+    method: AnswerMethod
     score: float
 
 
@@ -282,7 +284,7 @@ class Answer:
     text: str
     prompt: str
     entry: Sha256Digest | None
-    method: str
+    method: AnswerMethod
     score: float
     prompt_tokens: int
     decode_tokens: int
@@ -295,15 +297,20 @@ class Answer:
     #: Why decoding ended (``ops.StopReason``: eos, stop, window, max_new_tokens); not in ``to_json``.
     stopped_by: str = ""
 
+    def provenance(self) -> Provenance:
+        """Where the answer came from, as the engine server sends it (the wire's ``kvgraft``
+        object); score and seconds rounded to 6 places."""
+        return Provenance(
+            entry=self.entry, method=self.method, signature=self.signature, score=round(self.score, 6),
+            prompt_tokens=self.prompt_tokens, decode_tokens=self.decode_tokens, context_tokens=self.context_tokens,
+            seconds=round(self.seconds, 6), energy_joules=self.energy_joules, energy_method=self.energy_method,
+            answer=self.answer,
+        )
+
     def to_json(self) -> dict[str, Any]:
-        """The ``--json`` object (the prompt text is left out; its length is ``context_tokens``)."""
-        return {
-            "answer": self.answer, "text": self.text, "entry": self.entry, "method": self.method,
-            "signature": self.signature,
-            "score": round(self.score, 6), "prompt_tokens": self.prompt_tokens, "decode_tokens": self.decode_tokens,
-            "context_tokens": self.context_tokens, "seconds": round(self.seconds, 6),
-            "energy_joules": self.energy_joules, "energy_method": self.energy_method,
-        }
+        """The ``--json`` object: the decoded text and the provenance (the prompt text is left
+        out; its length is ``context_tokens``)."""
+        return {"text": self.text, **self.provenance().model_dump(mode="json")}
 
 
 def stop_after_boxed(text: str) -> bool:

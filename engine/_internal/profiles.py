@@ -257,23 +257,18 @@ def applied_kv_dtype() -> torch.dtype:
     return _APPLIED_KV_DTYPE.get()
 
 
-def _cpu_flags() -> frozenset[str] | None:
-    """The CPU flags the kernel reports (``/proc/cpuinfo``); None where it reports none."""
+def _cpuinfo(field: str) -> str | None:
+    """The first CPU's ``field`` in the kernel's ``/proc/cpuinfo``; None where it has none."""
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
     return None
 
 
 def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
+    return _cpuinfo("model name") or platform.processor() or "unknown"
 
 
 def device_fingerprint() -> str:
@@ -284,13 +279,14 @@ def device_fingerprint() -> str:
 def isa_fingerprint(level: IsaLevel) -> str:
     """The device fingerprint of an instruction-set-level profile, once this process is checked
     to run at ``level`` (``ProfileMismatchError`` naming the command that would otherwise)."""
-    flags = _cpu_flags()
-    lacking = [flag for flag in level.cpu_flags if flags is not None and flag not in flags]
+    listed = _cpuinfo("flags")
+    flags = set(listed.split()) if listed is not None else set(level.cpu_flags)  # no cpuinfo: torch's report decides
+    lacking = [flag for flag in level.cpu_flags if flag not in flags]
     if lacking:
-        lower = [name for name, other in ISA_LEVELS.items() if flags is not None and set(other.cpu_flags) <= flags]
+        held = [f"--profile cpu-fp32-{name}" for name, other in ISA_LEVELS.items() if set(other.cpu_flags) <= flags]
         raise ProfileMismatchError(
             f"profile level {level.name} needs CPU flags this CPU lacks: {', '.join(lacking)} (/proc/cpuinfo)",
-            hint=(f"choose a level this CPU has: {', '.join(f'--profile cpu-fp32-{name}' for name in lower)}" if lower else
+            hint=(f"choose a level this CPU has: {', '.join(held)}" if held else
                   "no instruction-set level fits this CPU: use a profile without one (the default)"),
         )
     wrong = _unmet(level.environment())

@@ -64,7 +64,6 @@ from kvgraft.schemas import (
     KvgraftError,
     ModelCard,
     ModelList,
-    Provenance,
     Usage,
 )
 
@@ -451,15 +450,6 @@ def _finish_reason(job: _Job, answer: Answer) -> FinishReason:
     return "length"
 
 
-def _provenance(answer: Answer) -> Provenance:
-    return Provenance(
-        entry=answer.entry, method=answer.method, signature=answer.signature, score=round(answer.score, 6),  # type: ignore[arg-type]
-        prompt_tokens=answer.prompt_tokens, decode_tokens=answer.decode_tokens, context_tokens=answer.context_tokens,
-        seconds=round(answer.seconds, 6), energy_joules=answer.energy_joules, energy_method=answer.energy_method,
-        answer=answer.answer,
-    )
-
-
 def _usage(answer: Answer) -> Usage:
     return Usage(prompt_tokens=answer.prompt_tokens, completion_tokens=answer.decode_tokens,
                  total_tokens=answer.prompt_tokens + answer.decode_tokens)
@@ -500,10 +490,10 @@ async def _answer(request: Request[Any, Any, Any], question: tuple[str, str], re
         finish = _finish_reason(job, answer)
         body: BaseModel
         if chat:
-            body = ChatCompletion(id=ident, created=created, model=served.name, usage=_usage(answer), kvgraft=_provenance(answer),
+            body = ChatCompletion(id=ident, created=created, model=served.name, usage=_usage(answer), kvgraft=answer.provenance(),
                                   choices=[ChatChoice(message=AssistantMessage(content=content), finish_reason=finish)])
         else:
-            body = Completion(id=ident, created=created, model=served.name, usage=_usage(answer), kvgraft=_provenance(answer),
+            body = Completion(id=ident, created=created, model=served.name, usage=_usage(answer), kvgraft=answer.provenance(),
                               choices=[CompletionChoice(text=content, finish_reason=finish)])
         return _json(body, headers=_provenance_headers(job))
     # A stream starts once its first token is decoded: what fails before that has its own status.
@@ -514,7 +504,7 @@ async def _answer(request: Request[Any, Any, Any], question: tuple[str, str], re
 
     def chunk(text: str | None, *, first: bool = False, answer: Answer | None = None, usage: bool = False) -> BaseModel:
         finish: FinishReason | None = _finish_reason(job, answer) if answer is not None and not usage else None
-        provenance = _provenance(answer) if answer is not None else None
+        provenance = answer.provenance() if answer is not None else None
         counted = _usage(answer) if answer is not None and usage else None
         if chat:
             choices = [] if usage else [ChatChunkChoice(
@@ -642,7 +632,8 @@ def _internal_error(request: Request[Any, Any, Any], exc: Exception) -> Response
 def _load(config: ServeConfig) -> _Served:
     """The model and its libraries, each library's prefix verified now (a library that does not
     verify keeps the server from starting); entries are verified when they are grafted."""
-    profile = current_profile(config.profile)  # first: see kvgraft.cli.engine.model_and_profile
+    # The profile first: one this machine cannot run is refused before loading runs any kernel.
+    profile = current_profile(config.profile)
     model = load_model(config.model)
     libraries = []
     for directory in config.libraries:

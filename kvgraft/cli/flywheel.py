@@ -190,11 +190,9 @@ def _ask_engine(args: argparse.Namespace, question: str) -> dict[str, Any]:
         with EngineClient(args.engine, timeout=args.timeout or DEFAULT_TIMEOUT) as client:
             completion = client.ask(question, model=args.model, max_tokens=args.max_new_tokens)
     p = completion.kvgraft
+    # The same object as a local ask's (Answer.to_json: the text and the provenance), then the server's.
     result: dict[str, Any] = {
-        "answer": p.answer, "text": completion.choices[0].message.content if completion.choices else "",
-        "entry": p.entry, "method": p.method, "signature": p.signature, "score": p.score,
-        "prompt_tokens": p.prompt_tokens, "decode_tokens": p.decode_tokens, "context_tokens": p.context_tokens,
-        "seconds": p.seconds, "energy_joules": p.energy_joules, "energy_method": p.energy_method,
+        "text": completion.choices[0].message.content if completion.choices else "", **p.model_dump(mode="json"),
         "engine": args.engine, "model": completion.model,
         "finish_reason": completion.choices[0].finish_reason if completion.choices else None,
     }

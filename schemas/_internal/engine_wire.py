@@ -48,8 +48,10 @@ TokenBudget = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 #: Why an answer ended: ``stop`` (its own end, EOS, or a stop string) or ``length`` (``max_tokens``
 #: or the model's window).
 FinishReason = Literal["stop", "length"]
-#: How the library entry was found: the same normalized problem, the most similar one, or none.
-AnswerMethod = Literal["exact", "similar", "none"]
+#: How the library entry was found: the same normalized problem, the most similar one, none, or
+#: ``fixed``: the one entry an evaluation grafts before every problem (``kvgraft eval
+#: --library-entry``; the engine server never answers so).
+AnswerMethod = Literal["exact", "similar", "none", "fixed"]
 
 
 class EngineRequest(BaseModel):

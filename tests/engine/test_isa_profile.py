@@ -119,7 +119,7 @@ def test_sigill_regression_a_level_the_cpu_lacks_is_refused_by_the_kernels_flags
     # ATEN_CPU_CAPABILITY=avx512, the check passed, and loading the model died of SIGILL. The
     # flags are the kernel's (/proc/cpuinfo); here a CPU of level v3 only, on any machine.
     v3, v4 = ISA_LEVELS["x86-64-v3"], ISA_LEVELS["x86-64-v4"]
-    monkeypatch.setattr(profiles, "_cpu_flags", lambda: frozenset(v3.cpu_flags))
+    monkeypatch.setattr(profiles, "_cpuinfo", lambda field: " ".join(v3.cpu_flags) if field == "flags" else None)
     for k, v in v4.environment().items():
         monkeypatch.setenv(k, v)
     with pytest.raises(ProfileMismatchError, match="profile level x86-64-v4 needs CPU flags this CPU lacks: avx512f, avx512bw") as e:
