@@ -71,7 +71,16 @@ from ._internal.models import (
     spec_for,
 )
 from ._internal.ops import Continuation, capture, fresh, generate, graft, read_text
-from ._internal.profiles import DEFAULT_PROFILE, PROFILE_ALIASES, PROFILES, applied, current_profile, require_same
+from ._internal.profiles import (
+    DEFAULT_PROFILE,
+    ISA_LEVELS,
+    PROFILE_ALIASES,
+    PROFILES,
+    applied,
+    cpu_description,
+    current_profile,
+    require_same,
+)
 from ._internal.schedules import prefill, single_pass
 from ._internal.serve import ServeConfig, ServeSettings, create_engine_app, serve_engine
 from ._internal.trust import (
@@ -100,5 +109,5 @@ __all__ = [
     "EvalRun", "clean_solution", "read_meta", "run_eval", "run_exactness", "run_replay", "select", "summary_table",
     "write_pre_registration", "Wheel", "install", "install_hint",
     "ContextWindowError", "EngineServerConfigError", "EngineServerError", "NOTHING_GRAFTED", "ServeConfig", "ServeSettings",
-    "ask_model", "create_engine_app", "lookup_all", "serve_engine", "ProblemIndex", "worked_solution", "journal_path",
+    "ask_model", "create_engine_app", "ISA_LEVELS", "cpu_description", "lookup_all", "serve_engine", "ProblemIndex", "worked_solution", "journal_path",
 ]

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from experiment_keys import trust_beside
 from experiment_stats import paired, wilson
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,7 +164,8 @@ def table(args: argparse.Namespace) -> None:
             "record": str(record.relative_to(ROOT)) if record.is_relative_to(ROOT) else str(record),
             "correct": k, "items": n, "accuracy": k / n, "ci95": wilson(k, n), "cut_off": p["settings"]["cut_off"],
             "decode_tokens": p["aggregates"]["decode_tokens"], "prompt_tokens": p["aggregates"]["prompt_tokens"],
-            "seconds": p["settings"]["seconds"], "verified": True,
+            "seconds": p["settings"]["seconds"], "profile": p["profile"]["name"],
+            "device_fingerprint": p["profile"]["device_fingerprint"], "verified": True,
         }
     for first, second in (("base", "fixed"), ("base", "similar"), ("fixed", "similar")):
         if first in correct and second in correct:
@@ -179,13 +181,20 @@ def table(args: argparse.Namespace) -> None:
         f"record: `kvgraft-verify eval results/capability/CONDITION --dataset data/datasets/gsm8k_test.jsonl "
         f"--trusted-keys results/capability/trusted-keys.json`.",
         "",
-        "| condition | correct | accuracy (95% Wilson) | cut off by the budget | decode tokens | record |",
-        "|---|---|---|---|---|---|",
+        "| condition | correct | accuracy (95% Wilson) | cut off by the budget | decode tokens | profile (device) | record |",
+        "|---|---|---|---|---|---|---|",
     ]
     for c, row in summary["conditions"].items():
         lo, hi = row["ci95"]
         lines.append(f"| {c} | {row['correct']}/{row['items']} | {row['accuracy']:.3f} [{lo:.3f}, {hi:.3f}] | "
-                     f"{row['cut_off']}/{row['items']} | {row['decode_tokens']:,} | `{row['record']}` |")
+                     f"{row['cut_off']}/{row['items']} | {row['decode_tokens']:,} | {row['profile']} "
+                     f"({row['device_fingerprint']}) | `{row['record']}` |")
+    devices = {row["device_fingerprint"] for row in summary["conditions"].values()}
+    if len(devices) > 1:
+        # Said, not hidden: the pairing is by problem and prompt, greedy at one budget; the
+        # machines' kernels may round differently, which moves single answers, not the design.
+        lines += ["", f"The conditions ran on {len(devices)} machines (the device column): the same profile, model, "
+                  "problems, prompts and budget, greedy; kernels on different CPUs may round differently."]
     lines += ["", "| paired difference | difference (95% CI) | only the second right | only the first right | McNemar exact p |",
               "|---|---|---|---|---|"]
     for name, pair in summary["pairs"].items():
@@ -224,15 +233,7 @@ def main() -> None:
     kvgraft = [sys.executable, "-m", "kvgraft"]
     if not key.exists():
         subprocess.run([*kvgraft, "keys", "generate", "--out", str(key)], check=True)
-    # Trusted beside the records: a key made on another machine (a later session's) is added under
-    # a name of its own, so that the earlier records keep verifying.
-    trusted_file = args.out / "trusted-keys.json"
-    public = Path(f"{key}.pub").read_text()
-    entries = json.loads(trusted_file.read_text())["keys"] if trusted_file.exists() else []
-    if all(e["public_key_pem"].strip() != public.strip() for e in entries):
-        name = "kvgraft-capability" if not entries else f"kvgraft-capability-{len(entries) + 1}"
-        subprocess.run([*kvgraft, "keys", "trust", "--file", str(trusted_file), "--name", name, "--public-key", f"{key}.pub"],
-                       check=True)
+    trust_beside(args.out / "trusted-keys.json", Path(f"{key}.pub"), "kvgraft-capability")
     model = profile = None
     for part in parts:
         if part == "table":

@@ -33,11 +33,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from experiment_keys import trust_beside
 from experiment_stats import paired, wilson
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "datasets"
 KVGRAFT = [sys.executable, "-m", "kvgraft"]
+VERIFY = [str(Path(sys.executable).parent / "kvgraft-verify")]
 MODEL = "smollm2-135m"
 #: The libraries are deposited here with this machine's local key (no --key): reading them back
 #: verifies every entry's signature against that key, which the experiments trust by saying so.
@@ -113,6 +115,13 @@ def widening(out: Path, work: Path, multiples: list[int], questions: int, earlie
     """
     import resource
 
+    from kvgraft.engine import ensure_local_key, local_public_key_path
+
+    # The records are signed with this machine's local key: trusted beside them, so that
+    # kvgraft-verify eval re-checks them offline (a later machine's key under a name of its own).
+    ensure_local_key()
+    trusted = out / "trusted-keys.json"
+    trust_beside(trusted, local_public_key_path(), "kvgraft-experiments")
     train = DATA / "gsm8k_train.jsonl"
     # The default profile's library is the transfer part's; another profile's is its own.
     library = work / ("lib-gsm8k" if profile == "cpu-fp32" else f"lib-gsm8k-{profile}")
@@ -149,12 +158,16 @@ def widening(out: Path, work: Path, multiples: list[int], questions: int, earlie
         answer = json.loads(proc.stdout.read().strip().splitlines()[-1]) if proc.stdout else {}
         if status != 0:
             raise SystemExit(f"widening eval at {k}x failed")
+        check = subprocess.run([*VERIFY, "eval", str(record), "--dataset", str(qfile), "--trusted-keys", str(trusted)],
+                               capture_output=True, text=True, check=False)
+        if check.returncode != 0:
+            raise SystemExit(f"kvgraft-verify eval {record} failed: {check.stdout}{check.stderr}")
         rows.append({
             "multiple": k, "entries": len(entries), "stored_tokens": sum(e["tokens"] for e in entries),
             "window": WINDOW, "questions": questions, "correct": answer["correct"], "decode_tokens": answer["decode_tokens"],
             "peak_rss_mib": round(usage.ru_maxrss / 1024, 1), "seconds": round(time.perf_counter() - t0, 1),
             "record": record.name, "earlier_children_max_rss_kib": before, "profile": profile,
-            "library_bytes": sum(f.stat().st_size for f in library.rglob("*") if f.is_file()),
+            "library_bytes": sum(f.stat().st_size for f in library.rglob("*") if f.is_file()), "verified": True,
         })
         sys.stderr.write(f"widening {k}x: {rows[-1]}\n")
     kept = [r for r in earlier if r["multiple"] not in multiples and r.get("profile", "cpu-fp32") == profile]
@@ -188,13 +201,17 @@ def table(summary: dict[str, Any]) -> str:
     if "widening" in summary:
         w = summary["widening"]
         out += ["### Context widening: one library grown past the 8,192-token window", "",
-                "| store / window | entries | stored tokens | questions answered correctly | decode tokens | peak RSS (MiB) | record |",
-                "|---|---|---|---|---|---|---|"]
+                "| store / window | entries | stored tokens | library on disk | questions answered correctly | decode tokens | "
+                "peak RSS (MiB) | seconds | profile | record |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for row in w["rows"]:
+            size = f"{row['library_bytes'] / 2**30:.1f} GiB" if "library_bytes" in row else ""
             out.append(f"| {row['stored_tokens'] / row['window']:.1f}x (target {row['multiple']}x) | {row['entries']} | {row['stored_tokens']:,} | "
-                       f"{row['correct']}/{row['questions']} | "
-                       f"{row['decode_tokens']} | {row['peak_rss_mib']} | `results/flywheel/{row['record']}` |")
-        out.append("")
+                       f"{size} | {row['correct']}/{row['questions']} | {row['decode_tokens']} | {row['peak_rss_mib']} | "
+                       f"{row['seconds']} | {row.get('profile', 'cpu-fp32')} | `results/flywheel/{row['record']}` |")
+        out += ["", "Each row's record passes `kvgraft-verify eval results/flywheel/widening-Kx --dataset "
+                "results/flywheel/widening-Kx.jsonl --trusted-keys results/flywheel/trusted-keys.json`; peak RSS is the "
+                "answering process's, read from the kernel (wait4).", ""]
     return "\n".join(out)
 
 

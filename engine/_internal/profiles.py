@@ -271,6 +271,15 @@ def _cpu_model() -> str:
     return _cpuinfo("model name") or platform.processor() or "unknown"
 
 
+def cpu_description() -> dict[str, str | list[str]]:
+    """This CPU for a record a person reads: its model name, the ISA torch dispatches to, and
+    the instruction-set levels whose flags its kernel reports (what a level profile needs)."""
+    listed = _cpuinfo("flags")
+    flags = set(listed.split()) if listed is not None else set()
+    return {"cpu_model": _cpu_model(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "isa_levels": [name for name, level in ISA_LEVELS.items() if set(level.cpu_flags) <= flags]}
+
+
 def device_fingerprint() -> str:
     """The CPU as kernels see it: architecture, model name and the ISA torch dispatches to."""
     return f"{platform.machine()}; {_cpu_model()}; torch-cpu-capability={torch.backends.cpu.get_cpu_capability()}"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgraft.engine import ProfileMismatchError, current_profile
+from kvgraft.engine import ProfileMismatchError, cpu_description, current_profile
 from kvgraft.engine._internal import profiles
 from kvgraft.engine._internal.profiles import ISA_LEVELS, IsaLevel
 
@@ -125,3 +125,15 @@ def test_sigill_regression_a_level_the_cpu_lacks_is_refused_by_the_kernels_flags
     with pytest.raises(ProfileMismatchError, match="profile level x86-64-v4 needs CPU flags this CPU lacks: avx512f, avx512bw") as e:
         current_profile("cpu-fp32-x86-64-v4")
     assert e.value.hint == "choose a level this CPU has: --profile cpu-fp32-x86-64-v3"
+
+
+def test_cpu_description_names_the_levels_whose_flags_the_kernel_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a cross-machine replay records of each CPU: a v3-only CPU lists v3, not v4.
+    v3 = ISA_LEVELS["x86-64-v3"]
+    monkeypatch.setattr(profiles, "_cpuinfo",
+                        lambda field: " ".join(v3.cpu_flags) if field == "flags" else "Test CPU" if field == "model name" else None)
+    described = cpu_description()
+    assert described["cpu_model"] == "Test CPU"
+    assert described["isa_levels"] == ["x86-64-v3"]
+    monkeypatch.setattr(profiles, "_cpuinfo", lambda field: "sse2" if field == "flags" else None)
+    assert cpu_description()["isa_levels"] == []
