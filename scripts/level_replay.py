@@ -44,6 +44,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from experiment_keys import trust_beside
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 TRUSTED = ROOT / "results" / "exactness" / "trusted-keys.json"
@@ -94,6 +96,12 @@ def samples_of(record: Path) -> list[dict[str, Any]]:
 def register(args: argparse.Namespace) -> None:
     if args.record.exists():
         raise SystemExit(f"{args.record} exists: a registration is made once (remove it to register again)")
+    from kvgraft.engine import ensure_local_key, local_public_key_path
+
+    if args.key is None:
+        ensure_local_key()
+    # The registering key is trusted beside the records, so an auditor (and the replay) checks it.
+    trust_beside(TRUSTED, Path(f"{args.key}.pub") if args.key is not None else local_public_key_path(), "kvgraft-exactness")
     exactness(args.model, args.level, args.samples, args.record, args.key)
     proc = verify(args.record)
     if proc.returncode != 0:
