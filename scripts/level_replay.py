@@ -23,7 +23,7 @@ prefix lengths) into a scratch directory, then
 2. compares sample by sample the prefix artifact, fresh logits and graft logits digests of the
    two records;
 
-and writes ``results/exactness/MODEL-cpu-fp32-LEVEL/replays/<host>.json`` with both CPUs, the
+and writes ``results/exactness/MODEL-cpu-fp32-LEVEL/replays/<UTC time>.json`` with both CPUs, the
 counts of equal digests and the verifier's verdict. It exits 1 when any digest differs (the
 file says which), so a failed replay is a result, not a crash. Nothing here is the engine: the
 verdict is the standalone verifier's.
@@ -41,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +139,8 @@ def replay(args: argparse.Namespace) -> None:
         "differing_samples": differing,
         "kvgraft_verify_exactness": {"exit": proc.returncode, "output": (proc.stdout + proc.stderr).strip()[-2000:]},
     }
-    out = args.record / "replays" / f"{platform.node() or 'host'}.json"
+    # Named by the time: every VM here calls itself "vm"; the CPUs are in the file.
+    out = args.record / "replays" / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     log(f"{out}: {equal} of {len(registered)} equal; kvgraft-verify exactness exit {proc.returncode}")
