@@ -105,6 +105,16 @@ def transfer(out: Path, work: Path, size: int, seed: int, budget: int, train_lim
     }
 
 
+def index_entries(library: Path) -> list[dict[str, Any]]:
+    """The entries of ``library/index.jsonl`` (read only), one per "\n"-ended line.
+
+    Not ``str.splitlines``: it also splits at U+2028 and other separators, which a problem's
+    text may hold (written raw in the JSON), and the widening run at 87x died of it.
+    """
+    text = (library / "index.jsonl").read_bytes()
+    return [json.loads(line) for line in text.split(b"\n")[:-1]]
+
+
 def widening(out: Path, work: Path, multiples: list[int], questions: int, earlier: list[dict[str, Any]],
              profile: str = "cpu-fp32") -> dict[str, Any]:
     """Grow one library past the window; at each size, a fresh process answers across it.
@@ -126,22 +136,24 @@ def widening(out: Path, work: Path, multiples: list[int], questions: int, earlie
     # The default profile's library is the transfer part's; another profile's is its own.
     library = work / ("lib-gsm8k" if profile == "cpu-fp32" else f"lib-gsm8k-{profile}")
     rows = []
-    docs = train.read_text().splitlines()
+    docs = train.read_text().split("\n")  # not splitlines: a problem may hold U+2028
     for k in multiples:
         target = k * WINDOW
-        # Problems offered per deposit process (each loads the model once): ~180 tokens each.
-        step = 400
         while True:
             index = library / "index.jsonl"
-            lines = index.read_text().splitlines() if index.exists() else []
-            if sum(json.loads(line)["tokens"] for line in lines) >= target:
+            lines = index_entries(library) if index.exists() else []
+            stored = sum(line["tokens"] for line in lines)
+            if stored >= target:
                 break
-            limit = (json.loads(lines[-1])["doc_index"] + 1 if lines else 0) + step
+            # Problems offered per deposit process (each loads the model once): about what the
+            # target still needs at ~180 tokens each, at most 400, so a row lands near its multiple.
+            step = min(400, max(8, (target - stored) // 180 + 1))
+            limit = (lines[-1]["doc_index"] + 1 if lines else 0) + step
             if lines and limit - step >= len(docs):
                 raise SystemExit(f"gsm8k_train holds too few verified solutions for {k}x the window")
             run(["library", "deposit", "--model", MODEL, "--dataset", str(train), "--library", str(library), "--limit", str(limit),
                  "--profile", profile, *TRUST])
-        entries = [json.loads(line) for line in (library / "index.jsonl").read_text().splitlines()]
+        entries = index_entries(library)
         # Questions spread evenly over the whole store: its first, last and every entry between.
         picks = [entries[round(i * (len(entries) - 1) / (questions - 1))]["doc_index"] for i in range(questions)]
         # Beside the record: the dataset file kvgraft-verify eval re-grades it against.

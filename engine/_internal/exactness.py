@@ -65,7 +65,8 @@ def _documents() -> tuple[list[str], list[DatasetRef]]:
         if not path.is_file():
             raise InputTextError(f"the sample texts {path} are missing", hint="reinstall kvgraft from a complete checkout")
         refs.append(DatasetRef(name=name, digest=sha256_file(path)))
-        for line in path.read_text(encoding="utf-8").splitlines():
+        # Lines end at "\n" only: str.splitlines would also split at U+2028 inside a JSON string.
+        for line in filter(None, path.read_text(encoding="utf-8").split("\n")):
             row = json.loads(line)
             if "question" in row:
                 docs.append(f"Question: {row['question']}\nAnswer: {row['answer']}\n\n")

@@ -21,8 +21,7 @@ CONTINUATION = " And then, after a long pause, the dog woke up."
 
 
 def _supported(level: IsaLevel) -> bool:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return {"x86-64-v3": " avx2 ", "x86-64-v4": " avx512f "}[level.name] in flags.replace("\n", " ")
+    return level.name in cpu_description()["isa_levels"]
 
 
 def _kvgraft(home: Path, level: IsaLevel | None, *args: object) -> dict[str, object]:
