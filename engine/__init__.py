@@ -52,6 +52,7 @@ from ._internal.library import (
     ask_model,
     clean_solution,
     lookup_all,
+    read_index,
     read_meta,
     worked_solution,
 )
@@ -109,5 +110,5 @@ __all__ = [
     "EvalRun", "clean_solution", "read_meta", "run_eval", "run_exactness", "run_replay", "select", "summary_table",
     "write_pre_registration", "Wheel", "install", "install_hint",
     "ContextWindowError", "EngineServerConfigError", "EngineServerError", "NOTHING_GRAFTED", "ServeConfig", "ServeSettings",
-    "ask_model", "create_engine_app", "ISA_LEVELS", "cpu_description", "lookup_all", "serve_engine", "ProblemIndex", "worked_solution", "journal_path",
+    "ask_model", "create_engine_app", "ISA_LEVELS", "cpu_description", "lookup_all", "serve_engine", "ProblemIndex", "worked_solution", "journal_path", "read_index",
 ]

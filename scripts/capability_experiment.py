@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiment_keys import trust_beside
+from experiment_keys import KVGRAFT, VERIFY, record_predicate, trust_beside
 from experiment_stats import paired, wilson
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,13 +50,6 @@ CONDITIONS = ("base", "fixed", "similar")
 def log(message: str) -> None:
     sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {message}\n")
     sys.stderr.flush()
-
-
-def predicate(record: Path) -> dict[str, Any]:
-    """The predicate of a signed evaluation record (read only; kvgraft-verify checks it)."""
-    from kvgraft.schemas import RECORD_FILE, payload_unverified
-
-    return json.loads(payload_unverified((record / RECORD_FILE).read_bytes()))["predicate"]
 
 
 # --- the libraries --------------------------------------------------------------------------------
@@ -152,11 +145,11 @@ def table(args: argparse.Namespace) -> None:
                                "budget": args.budget, "batch": args.batch, "conditions": {}, "pairs": {}}
     correct: dict[str, list[bool]] = {}
     for c, record in records.items():
-        proc = subprocess.run([str(Path(sys.executable).parent / "kvgraft-verify"), "eval", str(record), "--dataset", str(TEST),
+        proc = subprocess.run([*VERIFY, "eval", str(record), "--dataset", str(TEST),
                                "--trusted-keys", str(args.out / "trusted-keys.json")], capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise SystemExit(f"kvgraft-verify eval {record} failed: {proc.stdout}{proc.stderr}")
-        p = predicate(record)
+        p = record_predicate(record)
         items = sorted(p["items"], key=lambda i: i["doc_id"])
         correct[c] = [i["correct"] for i in items]
         k, n = sum(correct[c]), len(items)
@@ -230,9 +223,8 @@ def main() -> None:
     # The experiment's own key (never the machine's local key): its public half is what
     # OUT/trusted-keys.json trusts, and what an auditor checks the records against.
     key = args.key or kvgraft_home() / "keys" / "capability.pem"
-    kvgraft = [sys.executable, "-m", "kvgraft"]
     if not key.exists():
-        subprocess.run([*kvgraft, "keys", "generate", "--out", str(key)], check=True)
+        subprocess.run([*KVGRAFT, "keys", "generate", "--out", str(key)], check=True)
     trust_beside(args.out / "trusted-keys.json", Path(f"{key}.pub"), "kvgraft-capability")
     model = profile = None
     for part in parts:

@@ -1,5 +1,7 @@
-"""The experiments' signing keys, in one place: each records directory trusts, in its own
-``trusted-keys.json``, every key that signed a record in it, so an auditor checks them offline."""
+"""What the experiment scripts share about their signed records, in one place: the commands
+that make and check them, their signing keys (each records directory trusts, in its own
+``trusted-keys.json``, every key that signed a record in it, so an auditor checks them offline)
+and reading a record's predicate."""
 
 from __future__ import annotations
 
@@ -7,8 +9,19 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+#: The command line of this interpreter's kvgraft and kvgraft-verify.
 KVGRAFT = [sys.executable, "-m", "kvgraft"]
+VERIFY = [str(Path(sys.executable).parent / "kvgraft-verify")]
+
+
+def record_predicate(record: Path) -> dict[str, Any]:
+    """The predicate of the signed record in directory ``record``, read only: ``kvgraft-verify``
+    is what checks its signature, so nothing read here is trusted until it has."""
+    from kvgraft.schemas import RECORD_FILE, payload_unverified
+
+    return json.loads(payload_unverified((record / RECORD_FILE).read_bytes()))["predicate"]
 
 
 def trust_beside(trusted_file: Path, public_key: Path, name: str) -> None:

@@ -33,13 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiment_keys import trust_beside
+from experiment_keys import KVGRAFT, VERIFY, record_predicate, trust_beside
 from experiment_stats import paired, wilson
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "datasets"
-KVGRAFT = [sys.executable, "-m", "kvgraft"]
-VERIFY = [str(Path(sys.executable).parent / "kvgraft-verify")]
 MODEL = "smollm2-135m"
 #: The libraries are deposited here with this machine's local key (no --key): reading them back
 #: verifies every entry's signature against that key, which the experiments trust by saying so.
@@ -56,13 +54,6 @@ def run(args: list[str], **kw: Any) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def evaluation(record: Path) -> dict[str, Any]:
-    """The predicate of a signed evaluation record (read only; kvgraft-verify checks it)."""
-    from kvgraft.schemas import RECORD_FILE, payload_unverified
-
-    return json.loads(payload_unverified((record / RECORD_FILE).read_bytes()))["predicate"]
-
-
 def recurring(out: Path, work: Path, budget: int) -> dict[str, Any]:
     dataset = DATA / "aime2025.jsonl"
     base, lib, library = out / "aime-base", out / "aime-library", work / "lib-aime"
@@ -73,7 +64,7 @@ def recurring(out: Path, work: Path, budget: int) -> dict[str, Any]:
              *TRUST])
     if not lib.exists():
         run(["eval", "--model", MODEL, "--dataset", str(dataset), "--library", str(library), "--out", str(lib), *TRUST])
-    b, g = evaluation(base), evaluation(lib)
+    b, g = record_predicate(base), record_predicate(lib)
     return {
         "dataset": "aime2025.jsonl", "problems": b["aggregates"]["items"], "decode_budget_base": budget,
         "base": {**b["aggregates"], **{k: b["settings"][k] for k in ("seconds", "energy_joules", "energy_method")}, "record": base.name},
@@ -93,7 +84,7 @@ def transfer(out: Path, work: Path, size: int, seed: int, budget: int, train_lim
         run(["eval", "--model", MODEL, *common, "--out", str(base)])
     if not lib.exists():
         run(["eval", "--model", MODEL, *common, "--library", str(library), "--out", str(lib), *TRUST])
-    b, g = evaluation(base), evaluation(lib)
+    b, g = record_predicate(base), record_predicate(lib)
     bc, gc = [i["correct"] for i in b["items"]], [i["correct"] for i in g["items"]]
     return {
         "dataset": "gsm8k_test.jsonl", "slice": {"size": size, "seed": seed}, "decode_budget": budget,
@@ -103,16 +94,6 @@ def transfer(out: Path, work: Path, size: int, seed: int, budget: int, train_lim
         "library": {**g["aggregates"], "ci95": wilson(sum(gc), len(gc)), "record": lib.name},
         "paired": paired(bc, gc),
     }
-
-
-def index_entries(library: Path) -> list[dict[str, Any]]:
-    """The entries of ``library/index.jsonl`` (read only), one per "\n"-ended line.
-
-    Not ``str.splitlines``: it also splits at U+2028 and other separators, which a problem's
-    text may hold (written raw in the JSON), and the widening run at 87x died of it.
-    """
-    text = (library / "index.jsonl").read_bytes()
-    return [json.loads(line) for line in text.split(b"\n")[:-1]]
 
 
 def widening(out: Path, work: Path, multiples: list[int], questions: int, earlier: list[dict[str, Any]],
@@ -125,7 +106,8 @@ def widening(out: Path, work: Path, multiples: list[int], questions: int, earlie
     """
     import resource
 
-    from kvgraft.engine import ensure_local_key, local_public_key_path
+    from kvgraft.engine import ensure_local_key, local_public_key_path, read_index
+    from kvgraft.schemas import LIBRARY_INDEX_FILE
 
     # The records are signed with this machine's local key: trusted beside them, so that
     # kvgraft-verify eval re-checks them offline (a later machine's key under a name of its own).
@@ -136,26 +118,28 @@ def widening(out: Path, work: Path, multiples: list[int], questions: int, earlie
     # The default profile's library is the transfer part's; another profile's is its own.
     library = work / ("lib-gsm8k" if profile == "cpu-fp32" else f"lib-gsm8k-{profile}")
     rows = []
-    docs = train.read_text().split("\n")  # not splitlines: a problem may hold U+2028
+    # The dataset's lines as they are (each a JSON object ending in "\n"): copied to the
+    # questions file byte for byte, so the record is graded against the text that was deposited.
+    docs = train.read_text().split("\n")
     for k in multiples:
         target = k * WINDOW
         while True:
-            index = library / "index.jsonl"
-            lines = index_entries(library) if index.exists() else []
-            stored = sum(line["tokens"] for line in lines)
+            # No index yet: nothing deposited (read_index reads a library that exists, or fails).
+            lines = list(read_index(library)) if (library / LIBRARY_INDEX_FILE).exists() else []
+            stored = sum(line.tokens for line in lines)
             if stored >= target:
                 break
             # Problems offered per deposit process (each loads the model once): about what the
             # target still needs at ~180 tokens each, at most 400, so a row lands near its multiple.
             step = min(400, max(8, (target - stored) // 180 + 1))
-            limit = (lines[-1]["doc_index"] + 1 if lines else 0) + step
+            limit = (lines[-1].doc_index + 1 if lines else 0) + step
             if lines and limit - step >= len(docs):
                 raise SystemExit(f"gsm8k_train holds too few verified solutions for {k}x the window")
             run(["library", "deposit", "--model", MODEL, "--dataset", str(train), "--library", str(library), "--limit", str(limit),
                  "--profile", profile, *TRUST])
-        entries = index_entries(library)
+        entries = list(read_index(library))
         # Questions spread evenly over the whole store: its first, last and every entry between.
-        picks = [entries[round(i * (len(entries) - 1) / (questions - 1))]["doc_index"] for i in range(questions)]
+        picks = [entries[round(i * (len(entries) - 1) / (questions - 1))].doc_index for i in range(questions)]
         # Beside the record: the dataset file kvgraft-verify eval re-grades it against.
         qfile = out / f"widening-{k}x.jsonl"
         qfile.write_text("".join(docs[i] + "\n" for i in picks))

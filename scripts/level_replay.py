@@ -32,7 +32,6 @@ verdict is the standalone verifier's.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import platform
@@ -45,10 +44,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiment_keys import trust_beside
+from experiment_keys import KVGRAFT, VERIFY, record_predicate, trust_beside
 
 ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 TRUSTED = ROOT / "results" / "exactness" / "trusted-keys.json"
 
 
@@ -74,7 +72,7 @@ def cpu() -> dict[str, Any]:
 
 
 def exactness(model: str, level: str, samples: int, out: Path, key: Path | None) -> None:
-    command = [str(BIN / "kvgraft"), "exactness", "--model", model, "--samples", str(samples),
+    command = [*KVGRAFT, "exactness", "--model", model, "--samples", str(samples),
                "--profile", f"cpu-fp32-{level}", "--out", str(out)]
     if key is not None:
         command += ["--key", str(key)]
@@ -84,14 +82,14 @@ def exactness(model: str, level: str, samples: int, out: Path, key: Path | None)
 
 
 def verify(record: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(BIN / "kvgraft-verify"), "exactness", str(record), "--trusted-keys", str(TRUSTED)],
+    return subprocess.run([*VERIFY, "exactness", str(record), "--trusted-keys", str(TRUSTED)],
                           capture_output=True, text=True, check=False)
 
 
 def samples_of(record: Path) -> list[dict[str, Any]]:
     """The record's samples (read only; ``kvgraft-verify`` is what checks the signature)."""
-    envelope = json.loads((record / "record.dsse.json").read_text())
-    return json.loads(base64.b64decode(envelope["payload"]))["predicate"]["samples"]
+    samples: list[dict[str, Any]] = record_predicate(record)["samples"]
+    return samples
 
 
 def register(args: argparse.Namespace) -> None:
@@ -108,13 +106,17 @@ def register(args: argparse.Namespace) -> None:
     if proc.returncode != 0:
         raise SystemExit(f"the new record does not verify: {proc.stdout}{proc.stderr}")
     # Only the signed record is the registration; the logits files are what a replay recomputes.
-    shutil.rmtree(args.record / "logits", ignore_errors=True)
+    from kvgraft.schemas import LOGITS_DIR
+
+    shutil.rmtree(args.record / LOGITS_DIR, ignore_errors=True)
     (args.record / "registered-on.json").write_text(json.dumps(cpu(), indent=2) + "\n")
     log(f"registered {args.record} ({len(samples_of(args.record))} samples); commit it, then replay on another machine")
 
 
 def replay(args: argparse.Namespace) -> None:
-    if not (args.record / "record.dsse.json").exists():
+    from kvgraft.schemas import LOGITS_DIR, RECORD_FILE
+
+    if not (args.record / RECORD_FILE).exists():
         raise SystemExit(f"no registered record at {args.record}: run `register` on the first machine and commit it")
     registered = samples_of(args.record)
     with tempfile.TemporaryDirectory(prefix="kvgraft-replay-") as tmp:
@@ -123,8 +125,8 @@ def replay(args: argparse.Namespace) -> None:
         # The registered record, with this machine's logits files beside it.
         check = Path(tmp) / "registered"
         check.mkdir()
-        shutil.copy2(args.record / "record.dsse.json", check / "record.dsse.json")
-        shutil.copytree(rerun / "logits", check / "logits")
+        shutil.copy2(args.record / RECORD_FILE, check / RECORD_FILE)
+        shutil.copytree(rerun / LOGITS_DIR, check / LOGITS_DIR)
         proc = verify(check)
         fresh = samples_of(rerun)
     fields = ("prefix_artifact", "fresh_logits_sha256", "graft_logits_sha256")

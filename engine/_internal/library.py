@@ -516,7 +516,7 @@ class Library:
                 hint=f"pass --model {meta['model']} --profile {meta['profile']}",
             )
         _require_trust(directory, trusted, insecure_skip_verify)  # before the index is read
-        return cls(directory, model, profile, meta, list(_read_index(directory)), trusted,
+        return cls(directory, model, profile, meta, list(read_index(directory)), trusted,
                    insecure_skip_verify=insecure_skip_verify)
 
     # --- deposit ---------------------------------------------------------------------------------
@@ -710,7 +710,15 @@ def read_meta(directory: Path) -> dict[str, Any]:
     return meta
 
 
-def _read_index(directory: Path) -> Iterator[Entry]:
+def read_index(directory: Path) -> Iterator[Entry]:
+    """The entries of the library ``directory``'s index, in deposit order, each line checked for
+    an entry's fields and types (``LibraryError`` naming the line where one is not).
+
+    Format: UTF-8 JSON, one object per line, each ending in ``\n``. Lines are split at ``\n``
+    only: a problem's text, written raw, may hold U+2028 or U+0085, which ``str.splitlines``
+    would split at. A last line without its ``\n`` is a deposit cut off mid-write and does not
+    count. Reading the index trusts nothing: ``Library.open`` checks each entry's signed artifact.
+    """
     path = directory / LIBRARY_INDEX_FILE
     with contextlib.ExitStack() as stack:
         try:

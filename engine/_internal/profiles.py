@@ -271,13 +271,22 @@ def _cpu_model() -> str:
     return _cpuinfo("model name") or platform.processor() or "unknown"
 
 
+def _cpu_flags() -> frozenset[str] | None:
+    """The first CPU's flags as its kernel reports them; None where there is no ``/proc/cpuinfo``."""
+    listed = _cpuinfo("flags")
+    return frozenset(listed.split()) if listed is not None else None
+
+
+def _levels_held(flags: frozenset[str]) -> list[str]:
+    """The instruction-set levels (``ISA_LEVELS`` names, lowest first) all of whose flags are in ``flags``."""
+    return [name for name, level in ISA_LEVELS.items() if set(level.cpu_flags) <= flags]
+
+
 def cpu_description() -> dict[str, str | list[str]]:
     """This CPU for a record a person reads: its model name, the ISA torch dispatches to, and
     the instruction-set levels whose flags its kernel reports (what a level profile needs)."""
-    listed = _cpuinfo("flags")
-    flags = set(listed.split()) if listed is not None else set()
     return {"cpu_model": _cpu_model(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "isa_levels": [name for name, level in ISA_LEVELS.items() if set(level.cpu_flags) <= flags]}
+            "isa_levels": _levels_held(_cpu_flags() or frozenset())}
 
 
 def device_fingerprint() -> str:
@@ -288,11 +297,11 @@ def device_fingerprint() -> str:
 def isa_fingerprint(level: IsaLevel) -> str:
     """The device fingerprint of an instruction-set-level profile, once this process is checked
     to run at ``level`` (``ProfileMismatchError`` naming the command that would otherwise)."""
-    listed = _cpuinfo("flags")
-    flags = set(listed.split()) if listed is not None else set(level.cpu_flags)  # no cpuinfo: torch's report decides
+    reported = _cpu_flags()
+    flags = reported if reported is not None else frozenset(level.cpu_flags)  # no cpuinfo: torch's report decides
     lacking = [flag for flag in level.cpu_flags if flag not in flags]
     if lacking:
-        held = [f"--profile cpu-fp32-{name}" for name, other in ISA_LEVELS.items() if set(other.cpu_flags) <= flags]
+        held = [f"--profile cpu-fp32-{name}" for name in _levels_held(flags)]
         raise ProfileMismatchError(
             f"profile level {level.name} needs CPU flags this CPU lacks: {', '.join(lacking)} (/proc/cpuinfo)",
             hint=(f"choose a level this CPU has: {', '.join(held)}" if held else

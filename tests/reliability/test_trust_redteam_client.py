@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from kvgraft.engine import LibraryError
-from kvgraft.engine._internal.library import MAX_INDEX_LINE_BYTES, _read_index, read_meta
+from kvgraft.engine import LibraryError, read_index, read_meta
+from kvgraft.engine._internal.library import MAX_INDEX_LINE_BYTES
 from kvgraft.registry.client import EvidenceError
 from kvgraft.registry.client.store import find_local_artifact
 from kvgraft.schemas import StagedDirectory, artifact_candidates
@@ -72,7 +72,19 @@ def test_library_index_entry_with_a_field_of_the_wrong_type_is_a_library_error_n
     # Was: TypeError / AttributeError tracebacks from ask and eval (entry.problem_hash[:16], .lower()).
     _index(tmp_path / "lib", json.dumps({**ENTRY, field: value}).encode() + b"\n")
     with pytest.raises(LibraryError, match=f"line 1 is not a library entry: {field} of the wrong type"):
-        list(_read_index(tmp_path / "lib"))
+        list(read_index(tmp_path / "lib"))
+
+
+def test_u2028_regression_an_entry_whose_problem_holds_a_line_separator_is_one_entry(tmp_path: Path) -> None:
+    # The bug: the widening script read the index with str.splitlines, which split a line at a
+    # raw U+2028 inside a problem's text, and the 87x run died on half a JSON object. The
+    # script now reads it with read_index, which splits at "\n" only.
+    rows = [{**ENTRY, "problem": "Carter\u2028drives 14 hours.", "doc_index": 2630},
+            {**ENTRY, "problem": "Next\x85one", "doc_index": 2631}]
+    # A deposit cut off mid-line leaves a last line without its newline: it does not count.
+    _index(tmp_path / "lib", *(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in rows), b'{"problem": "cut')
+    entries = list(read_index(tmp_path / "lib"))
+    assert [e.to_json() for e in entries] == rows
 
 
 def test_library_index_line_of_a_gigabyte_is_refused_without_reading_it_whole(tmp_path: Path) -> None:
@@ -82,10 +94,10 @@ def test_library_index_line_of_a_gigabyte_is_refused_without_reading_it_whole(tm
     with (lib / "index.jsonl").open("ab") as f:
         f.truncate(1 << 30)  # sparse: a 1 GiB second line of NULs, no newline
     with pytest.raises(LibraryError, match="line 2 is longer than"):
-        list(_read_index(lib))
+        list(read_index(lib))
     (lib / "index.jsonl").write_bytes(b'{"a": "' + b"x" * MAX_INDEX_LINE_BYTES + b'"}\n')
     with pytest.raises(LibraryError, match="line 1 is longer than"):
-        list(_read_index(lib))
+        list(read_index(lib))
 
 
 def test_library_json_of_a_gigabyte_is_refused_without_reading_it_whole(tmp_path: Path) -> None:
