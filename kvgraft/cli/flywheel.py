@@ -208,10 +208,19 @@ def _cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
 
     library = None
     if args.library is not None:
+        from kvgraft.engine import PROFILE_ALIASES, read_meta
+
+        # The library's model and profile are the evaluation's: a conflicting flag is refused
+        # before any model loads, never silently overridden by the library's.
+        meta = read_meta(args.library)
+        if meta["model"] != args.model:
+            raise CliError(f"the library {args.library} holds {meta['model']} state, not {args.model}",
+                           hint=f"pass --model {meta['model']}")
+        asked = PROFILE_ALIASES.get(args.profile, args.profile)
+        if asked is not None and asked != meta["profile"]:
+            raise CliError(f"the library {args.library} was deposited under the profile {meta['profile']}, not {asked}",
+                           hint=f"pass --profile {meta['profile']} or drop --profile (a library's state grafts only under its own profile)")
         library = _open_library(args)
-        if library.model.spec.name != args.model:
-            raise CliError(f"the library holds {library.model.spec.name} state, not {args.model}",
-                           hint=f"pass --model {library.model.spec.name}")
         model, profile = library.model, library.profile
     else:
         model, profile = model_and_profile(args.model, args.profile)

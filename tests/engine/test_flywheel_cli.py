@@ -171,3 +171,25 @@ def test_eval_batch_and_library_entry_on_the_command_line(tmp_path: Path, key: P
                           "--out", tmp_path / "e", "--key", key, "--trusted-keys", trust)
     assert code == 1 and "--library-entry: 'abc' is not a sha256 digest" in err, err
     assert not (tmp_path / "e").exists()
+
+
+def test_eval_library_profile_conflict_regression_a_conflicting_profile_or_model_is_refused_not_ignored(
+        tmp_path: Path, key: Path, trust: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Was: `eval --library DIR --profile P` ran under the library's profile and ignored P unsaid,
+    # so a record could claim a profile the user did not ask for.
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join((DATA / "gsm8k_train.jsonl").read_text().splitlines(keepends=True)[:1]))
+    lib = tmp_path / "lib"
+    code, res, err = _run(capsys, "library", "deposit", "--model", "tiny-llama-test", "--dataset", train, "--library", lib,
+                          "--profile", "cpu-fp32-sdpa", "--key", key)
+    assert code == 0 and res["deposited"] == 1, err
+    common = ["--dataset", train, "--library", lib, "--max-new-tokens", "2", "--out", tmp_path / "e", "--key", key, "--trusted-keys", trust]
+    code, res, err = _run(capsys, "eval", "--model", "tiny-llama-test", "--profile", "eager", *common)
+    assert code == 1 and "was deposited under the profile cpu-fp32-sdpa, not cpu-fp32" in err, err
+    assert "pass --profile cpu-fp32-sdpa or drop --profile" in err and err.count("\n") == 1, err
+    code, res, err = _run(capsys, "eval", "--model", "smollm2-135m", *common)
+    assert code == 1 and "holds tiny-llama-test state, not smollm2-135m" in err and "pass --model tiny-llama-test" in err, err
+    assert not (tmp_path / "e").exists()
+    # The library's own profile, by name or alias, is no conflict.
+    code, res, err = _run(capsys, "eval", "--model", "tiny-llama-test", "--profile", "sdpa", *common)
+    assert code == 0 and res["items"] == 1, err
