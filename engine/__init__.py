@@ -44,6 +44,7 @@ from ._internal.kernel_errors import KernelError, ScheduleError
 from ._internal.kvfile import deserialize, read_kv_file, serialize
 from ._internal.kvstate import KVState, Segment
 from ._internal.library import (
+    MAX_INDEX_LINE_BYTES,
     NOTHING_GRAFTED,
     Answer,
     Hit,
@@ -54,6 +55,7 @@ from ._internal.library import (
     lookup_all,
     read_index,
     read_meta,
+    require_library_match,
     worked_solution,
 )
 from ._internal.models import (
@@ -110,5 +112,5 @@ __all__ = [
     "EvalRun", "clean_solution", "read_meta", "run_eval", "run_exactness", "run_replay", "select", "summary_table",
     "write_pre_registration", "Wheel", "install", "install_hint",
     "ContextWindowError", "EngineServerConfigError", "EngineServerError", "NOTHING_GRAFTED", "ServeConfig", "ServeSettings",
-    "ask_model", "create_engine_app", "ISA_LEVELS", "cpu_description", "lookup_all", "serve_engine", "ProblemIndex", "worked_solution", "journal_path", "read_index",
+    "ask_model", "create_engine_app", "ISA_LEVELS", "cpu_description", "lookup_all", "serve_engine", "ProblemIndex", "worked_solution", "journal_path", "read_index", "require_library_match", "MAX_INDEX_LINE_BYTES",
 ]

@@ -137,7 +137,7 @@ def widening(out: Path, work: Path, multiples: list[int], questions: int, earlie
                 raise SystemExit(f"gsm8k_train holds too few verified solutions for {k}x the window")
             run(["library", "deposit", "--model", MODEL, "--dataset", str(train), "--library", str(library), "--limit", str(limit),
                  "--profile", profile, *TRUST])
-        entries = list(read_index(library))
+        entries = lines  # the index as the loop last read it, holding the target
         # Questions spread evenly over the whole store: its first, last and every entry between.
         picks = [entries[round(i * (len(entries) - 1) / (questions - 1))].doc_index for i in range(questions)]
         # Beside the record: the dataset file kvgraft-verify eval re-grades it against.

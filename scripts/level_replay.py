@@ -46,6 +46,8 @@ from typing import Any
 
 from experiment_keys import KVGRAFT, VERIFY, record_predicate, trust_beside
 
+from kvgraft.schemas import LOGITS_DIR, RECORD_FILE
+
 ROOT = Path(__file__).resolve().parent.parent
 TRUSTED = ROOT / "results" / "exactness" / "trusted-keys.json"
 
@@ -106,16 +108,12 @@ def register(args: argparse.Namespace) -> None:
     if proc.returncode != 0:
         raise SystemExit(f"the new record does not verify: {proc.stdout}{proc.stderr}")
     # Only the signed record is the registration; the logits files are what a replay recomputes.
-    from kvgraft.schemas import LOGITS_DIR
-
     shutil.rmtree(args.record / LOGITS_DIR, ignore_errors=True)
     (args.record / "registered-on.json").write_text(json.dumps(cpu(), indent=2) + "\n")
     log(f"registered {args.record} ({len(samples_of(args.record))} samples); commit it, then replay on another machine")
 
 
 def replay(args: argparse.Namespace) -> None:
-    from kvgraft.schemas import LOGITS_DIR, RECORD_FILE
-
     if not (args.record / RECORD_FILE).exists():
         raise SystemExit(f"no registered record at {args.record}: run `register` on the first machine and commit it")
     registered = samples_of(args.record)

@@ -56,6 +56,7 @@ from .artifacts import LoadedArtifact, load_artifact
 from .errors import ContextWindowError, InputTextError, LibraryError, NoTrustedKeysError
 from .models import LoadedModel
 from .ops import Decoded, DecodeJob, capture, continue_from
+from .profiles import PROFILE_ALIASES
 from .trust import trust_signer
 
 FORMAT = "kvgraft-library/v1"
@@ -510,11 +511,7 @@ class Library:
         refused (``NoTrustedKeysError``) unless ``insecure_skip_verify=True`` says to skip.
         """
         meta = read_meta(directory)
-        if meta["model"] != model.spec.name or meta["profile"] != profile.name:
-            raise LibraryError(
-                f"{directory} holds {meta['model']} state under profile {meta['profile']}, not {model.spec.name} / {profile.name}",
-                hint=f"pass --model {meta['model']} --profile {meta['profile']}",
-            )
+        require_library_match(directory, meta, model=model.spec.name, profile=profile.name)
         _require_trust(directory, trusted, insecure_skip_verify)  # before the index is read
         return cls(directory, model, profile, meta, list(read_index(directory)), trusted,
                    insecure_skip_verify=insecure_skip_verify)
@@ -708,6 +705,24 @@ def read_meta(directory: Path) -> dict[str, Any]:
     if not isinstance(meta, dict) or not needed <= set(meta) or meta["format"] != FORMAT:
         raise LibraryError(f"{path} is not a {FORMAT} library file", hint="it was written by another tool or altered")
     return meta
+
+
+def require_library_match(directory: Path, meta: dict[str, Any], *, model: str | None, profile: str | None) -> None:
+    """The one rule of what a library grafts into: its state is ``meta["model"]``'s, made under
+    ``meta["profile"]``, and grafts only there (the profile fixes the kernels, so another
+    profile's logits would differ from the signed fresh ones).
+
+    ``model`` / ``profile``: what the caller was asked for (a profile alias is resolved; None
+    asks for the library's own). Needs only ``library.json`` (``read_meta``), so every caller
+    refuses before a model loads. Raises ``LibraryError`` naming the flag to pass.
+    """
+    if model is not None and meta["model"] != model:
+        raise LibraryError(f"the library {directory} holds {meta['model']} state, not {model}",
+                           hint=f"pass --model {meta['model']}")
+    asked = PROFILE_ALIASES.get(profile, profile) if profile is not None else None
+    if asked is not None and asked != meta["profile"]:
+        raise LibraryError(f"the library {directory} was deposited under the profile {meta['profile']}, not {asked}",
+                           hint=f"pass --profile {meta['profile']} (a library's state grafts only under its own profile)")
 
 
 def read_index(directory: Path) -> Iterator[Entry]:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import EngineServerConfigError
-from .library import read_meta
+from .errors import EngineServerConfigError, LibraryError
+from .library import read_meta, require_library_match
 from .trust import Trust
 
 if TYPE_CHECKING:
@@ -88,13 +88,10 @@ def check_config(config: ServeConfig) -> None:
         if resolved in seen:
             raise EngineServerConfigError(f"--library {directory} is given twice", hint="name each library once")
         seen.add(resolved)
-        meta = read_meta(directory)
-        if meta["model"] != config.model:
-            raise EngineServerConfigError(f"library {directory} holds {meta['model']} state, not {config.model}",
-                                          hint=f"serve it with --model {meta['model']}, or leave it out")
-        if meta["profile"] != config.profile:
-            raise EngineServerConfigError(f"library {directory} was made under profile {meta['profile']}, not {config.profile}",
-                                          hint=f"pass --profile {meta['profile']}")
+        try:
+            require_library_match(directory, read_meta(directory), model=config.model, profile=config.profile)
+        except LibraryError as e:
+            raise EngineServerConfigError(e.message, hint=f"{e.hint}, or leave --library {directory} out") from e
     if config.libraries and config.trust is None:
         raise EngineServerConfigError("libraries are served only with keys to verify their artifacts against",
                                       hint="pass --trusted-keys FILE (or --trust-local-key); --insecure-skip-verify skips the check")

@@ -123,11 +123,14 @@ def _cmd_deposit(args: argparse.Namespace) -> dict[str, Any]:
 # --- ask -------------------------------------------------------------------------------------------
 
 
-def _open_library(args: argparse.Namespace) -> Library:
-    """The library of ``--library``, every artifact it grafts verified against the trust options."""
-    from kvgraft.engine import Library, read_meta
+def _open_library(args: argparse.Namespace, *, asked_model: str | None = None, asked_profile: str | None = None) -> Library:
+    """The library of ``--library``, every artifact it grafts verified against the trust options;
+    ``asked_model`` / ``asked_profile``, when given, must be the library's (refused before any
+    model loads)."""
+    from kvgraft.engine import Library, read_meta, require_library_match
 
     meta = read_meta(args.library)
+    require_library_match(args.library, meta, model=asked_model, profile=asked_profile)
     trust = resolve_trust(args)  # refused before any model is loaded
     model, profile = model_and_profile(meta["model"], meta["profile"])
     return Library.open(args.library, model, profile, trusted=trust.keys, insecure_skip_verify=trust.skip)
@@ -208,19 +211,9 @@ def _cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
 
     library = None
     if args.library is not None:
-        from kvgraft.engine import PROFILE_ALIASES, read_meta
-
-        # The library's model and profile are the evaluation's: a conflicting flag is refused
-        # before any model loads, never silently overridden by the library's.
-        meta = read_meta(args.library)
-        if meta["model"] != args.model:
-            raise CliError(f"the library {args.library} holds {meta['model']} state, not {args.model}",
-                           hint=f"pass --model {meta['model']}")
-        asked = PROFILE_ALIASES.get(args.profile, args.profile)
-        if asked is not None and asked != meta["profile"]:
-            raise CliError(f"the library {args.library} was deposited under the profile {meta['profile']}, not {asked}",
-                           hint=f"pass --profile {meta['profile']} or drop --profile (a library's state grafts only under its own profile)")
-        library = _open_library(args)
+        # The library's model and profile are the evaluation's: a conflicting flag is refused,
+        # never silently overridden by the library's.
+        library = _open_library(args, asked_model=args.model, asked_profile=args.profile)
         model, profile = library.model, library.profile
     else:
         model, profile = model_and_profile(args.model, args.profile)

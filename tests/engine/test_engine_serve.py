@@ -446,6 +446,7 @@ def test_libraries_are_served_only_with_trusted_keys(tmp_path: Path, libs: Libra
     assert r.returncode == 1 and "kvgraft: NoTrustedKeysError: no trusted keys" in r.stderr, r.stderr
     r = _serve_and_fail(None, "--model", "smollm2-135m", "--library", libs.first, "--trusted-keys", libs.trust)
     assert r.returncode == 1 and "holds tiny-llama-test state, not smollm2-135m" in r.stderr, r.stderr
+    assert "EngineServerConfigError" in r.stderr and f"leave --library {libs.first} out" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
 

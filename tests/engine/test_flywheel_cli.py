@@ -186,7 +186,7 @@ def test_eval_library_profile_conflict_regression_a_conflicting_profile_or_model
     common = ["--dataset", train, "--library", lib, "--max-new-tokens", "2", "--out", tmp_path / "e", "--key", key, "--trusted-keys", trust]
     code, res, err = _run(capsys, "eval", "--model", "tiny-llama-test", "--profile", "eager", *common)
     assert code == 1 and "was deposited under the profile cpu-fp32-sdpa, not cpu-fp32" in err, err
-    assert "pass --profile cpu-fp32-sdpa or drop --profile" in err and err.count("\n") == 1, err
+    assert "pass --profile cpu-fp32-sdpa (a library's state grafts only under its own profile)" in err and err.count("\n") == 1, err
     code, res, err = _run(capsys, "eval", "--model", "smollm2-135m", *common)
     assert code == 1 and "holds tiny-llama-test state, not smollm2-135m" in err and "pass --model tiny-llama-test" in err, err
     assert not (tmp_path / "e").exists()

@@ -101,8 +101,9 @@ def test_reopen_and_tampering_are_caught(tiny_library, tiny, profile) -> None:  
     kv.write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="has digest .* but the statement says"):
         again.ask(dataset.question(0))
-    with pytest.raises(LibraryError, match="holds tiny-llama-test state under profile"):
+    with pytest.raises(LibraryError, match=f"was deposited under the profile {profile.name}, not other") as e:
         Library.open(lib.directory, tiny, profile.model_copy(update={"name": "other"}), trusted=lib.trusted)
+    assert e.value.hint is not None and e.value.hint.startswith(f"pass --profile {profile.name}"), e.value.hint
 
 
 def test_interrupted_index_line_is_ignored_and_garbage_is_refused(tiny_library, tiny, profile) -> None:  # type: ignore[no-untyped-def]

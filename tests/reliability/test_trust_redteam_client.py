@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvgraft.engine import LibraryError, read_index, read_meta
-from kvgraft.engine._internal.library import MAX_INDEX_LINE_BYTES
+from kvgraft.engine import MAX_INDEX_LINE_BYTES, LibraryError, read_index, read_meta
 from kvgraft.registry.client import EvidenceError
 from kvgraft.registry.client.store import find_local_artifact
 from kvgraft.schemas import StagedDirectory, artifact_candidates
