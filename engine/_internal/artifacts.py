@@ -1,18 +1,21 @@
 """Capture a KV state to a signed artifact directory, and load one back, checked, for a graft.
 
 An artifact directory holds exactly ``kv.safetensors`` and ``statement.dsse.json``. It appears
-under its final name only when complete (built in a temp dir, fsynced, renamed). Loading checks
-the statement's signature against trusted keys (always, unless the caller explicitly opts out
-with ``insecure_skip_verify``), then the tensors file's sha256 against the statement, then
-model, tokenizer and profile, then the parent chain (walked iteratively, bounded, cycles
-refused, each child starting at its parent's end), then token ids against the vocabulary and
-every tensor for NaN/Inf, all before any tensor is used. Capture refuses to sign a state that
-would fail those last checks.
+under its final name only when complete (built in a temp dir, fsynced, renamed). Loading checks,
+for every artifact of the parent chain (walked iteratively, bounded, cycles refused): the
+statement's signature against trusted keys (always, unless the caller explicitly opts out with
+``insecure_skip_verify``), then model, tokenizer and profile; meanwhile each tensors file is
+read into private memory and hashed (on ``HASH_WORKERS`` threads), and its sha256 must be the
+statement's. Then each child must start at its parent's end under the chain key its parent leads
+to, token ids must be in the vocabulary and every tensor finite: all before any tensor is used.
+Capture refuses to sign a state that would fail those last checks.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +38,7 @@ from kvgraft.schemas import (
     artifact_candidates,
     chain_key,
     hex_of,
+    prefixed,
     remember_artifact,
     sha256_bytes,
     statement_unverified,
@@ -155,23 +159,32 @@ def write_artifact(
 # --- the local index: where artifacts live, by their tensors' digest -------------------------------
 
 
-def find_artifact(kv_digest: Sha256Digest, near: Path, digests: dict[Path, Sha256Digest | None] | None = None) -> Path:
-    """Where the artifact whose tensors have ``kv_digest`` lives: the local index, or a sibling.
+def find_artifact(kv_digest: Sha256Digest, near: Path, digests: dict[Path, Sha256Digest | None] | None = None) -> tuple[Path, memoryview]:
+    """Where the artifact whose tensors have ``kv_digest`` lives (the local index, or a sibling),
+    and its kv file's bytes as they were hashed to find it (``read_hashed``'s private buffer):
+    the caller uses those bytes, so the file that was found is the file that is used, read and
+    hashed once.
 
-    ``digests`` remembers each candidate's tensors digest across the calls of one chain walk, so
-    a deep chain hashes each sibling once, not once per link.
+    ``digests`` remembers each candidate that did not match across the calls of one chain walk,
+    so a deep chain hashes each sibling once, not once per link.
     """
     memo: dict[Path, Sha256Digest | None] = {} if digests is None else digests
-    # The index only points; whatever it points at is hashed here and re-verified when loaded.
+    # The index only points; whatever it points at is hashed here.
     for c in artifact_candidates(kv_digest, near):
-        if c not in memo:
-            kv = c / KV_FILE
-            try:
-                memo[c] = sha256_bytes(kv.read_bytes()) if kv.is_file() else None
-            except OSError:
+        if c in memo and memo[c] != kv_digest:
+            continue
+        kv = c / KV_FILE
+        try:
+            if not kv.is_file():
                 memo[c] = None
-        if memo[c] == kv_digest:
-            return c
+                continue
+            data, digest = read_hashed(kv)
+        except (OSError, KvFileError):
+            memo[c] = None
+            continue
+        memo[c] = digest
+        if digest == kv_digest:
+            return c, data
     raise ArtifactError(
         f"the parent artifact {kv_digest} of {near} was not found",
         hint="keep the parent's directory beside the child's, or capture the parent on this machine",
@@ -287,43 +300,66 @@ def check_finite(tensors: dict[str, torch.Tensor], start: int, end: int, where: 
         raise UnsafeTensorError(f"{where}: tensor {name} holds {value} at {where_at}; KV state must be finite")
 
 
+#: Threads that read and hash a chain's kv files at once: ``readinto`` and hashlib's sha256
+#: release the GIL, so a chain of several files verifies in about the time of its largest.
+HASH_WORKERS = max(1, min(4, os.cpu_count() or 1))
+
+
 @dataclass(frozen=True)
 class _Read:
     directory: Path
     statement: KvArtifactStatement
     signature: str
-    #: The kv file's bytes, handed to ``deserialize`` (its tensors view them).
-    data: memoryview
-    kv_digest: Sha256Digest
+    #: The kv file read into private memory and its sha256 (``read_hashed``), being computed:
+    #: ``deserialize``'s tensors view the bytes.
+    kv: Future[tuple[memoryview, Sha256Digest]]
 
 
-def _read_one(
-    directory: Path, model: LoadedModel, profile: DeterminismProfile, trusted: TrustedKeys | None, skip: bool
-) -> _Read:
-    """One artifact's statement (signature first), tensors digest, and model/profile fit."""
-    if not directory.is_dir():
-        raise ArtifactError(f"artifact directory {directory} does not exist or is not a directory")
-    statement, signature = read_statement(directory, trusted, skip)
-    subjects = {s.name: s for s in statement.subject}
-    if set(subjects) != {KV_FILE}:
-        raise ArtifactError(f"{directory}: the statement's subjects are {sorted(subjects)}, expected only {KV_FILE}")
+def _hash_kv(directory: Path) -> tuple[memoryview, Sha256Digest]:
+    """``directory``'s kv file read and hashed, a failure as the ``ArtifactError`` it is."""
     try:
-        data, kv_digest = read_hashed(directory / KV_FILE)
+        return read_hashed(directory / KV_FILE)
     except OSError as e:
         raise ArtifactError(f"cannot read {directory / KV_FILE}: {e.strerror}") from e
     except KvFileError as e:
         raise ArtifactError(e.message, hint=e.hint) from e
-    if hex_of(kv_digest) != subjects[KV_FILE].digest.sha256:
-        raise ArtifactError(
-            f"{directory / KV_FILE} has digest {kv_digest}, but the statement says sha256:{subjects[KV_FILE].digest.sha256}",
-            hint="the tensors were altered or replaced; fetch the artifact again",
-        )
+
+
+def _done(result: tuple[memoryview, Sha256Digest]) -> Future[tuple[memoryview, Sha256Digest]]:
+    """A kv file already read and hashed (``find_artifact``'s), as the future the walk holds."""
+    f: Future[tuple[memoryview, Sha256Digest]] = Future()
+    f.set_result(result)
+    return f
+
+
+def _read_statement_of(
+    directory: Path, model: LoadedModel, profile: DeterminismProfile, trusted: TrustedKeys | None, skip: bool
+) -> tuple[KvArtifactStatement, str]:
+    """One artifact's statement (signature first) and its model/tokenizer/profile fit."""
+    if not directory.is_dir():
+        raise ArtifactError(f"artifact directory {directory} does not exist or is not a directory")
+    statement, signature = read_statement(directory, trusted, skip)
+    subjects = [s.name for s in statement.subject]
+    if subjects != [KV_FILE]:
+        raise ArtifactError(f"{directory}: the statement's subjects are {sorted(subjects)}, expected only {KV_FILE}")
     p = statement.predicate
     require_same(
         artifact_model=p.model, model=model.ref, artifact_tokenizer=p.tokenizer_digest, tokenizer=model.tokenizer_digest,
         artifact_profile=p.profile, profile=profile,
     )
-    return _Read(directory, statement, signature, data, kv_digest)
+    return statement, signature
+
+
+def _checked_bytes(r: _Read) -> tuple[memoryview, Sha256Digest]:
+    """``r``'s kv bytes once their sha256 is the one its (verified) statement names."""
+    data, kv_digest = r.kv.result()
+    named = r.statement.subject[0].digest.sha256
+    if hex_of(kv_digest) != named:
+        raise ArtifactError(
+            f"{r.directory / KV_FILE} has digest {kv_digest}, but the statement says sha256:{named}",
+            hint="the tensors were altered or replaced; fetch the artifact again",
+        )
+    return data, kv_digest
 
 
 def load_artifact(
@@ -355,26 +391,34 @@ def load_artifact(
     digests: dict[Path, Sha256Digest | None] = {}
     base: LoadedArtifact | None = None
     current = directory
-    while True:
-        if len(reads) >= max_depth:
-            raise LineageError(f"{directory}: its parent chain is longer than {max_depth} artifacts",
-                               hint="a chain this deep is not a real one (a library's is 2); capture a shorter chain")
-        r = _read_one(current, model, profile, trusted, insecure_skip_verify)
-        seen.add(r.kv_digest)
-        reads.append(r)
-        p = r.statement.predicate
-        if p.parent is None:
-            break
-        if p.parent in seen:
-            raise LineageError(f"{directory}: its parent chain is a cycle: {current} names {p.parent} as its parent, "
-                               "which is already in the chain")
-        if parent is not None and parent.kv_digest == p.parent:
-            base = parent  # checked when it was loaded; the chain key below still ties it to the child
-            break
-        current = find_artifact(p.parent, current, digests)
+    # Statements are read and checked on this thread, link by link; each kv file is read and
+    # hashed on the pool meanwhile (a parent found by its bytes already was). Nothing of a
+    # file is used before its digest is compared with its statement's, below.
+    with ThreadPoolExecutor(max_workers=HASH_WORKERS, thread_name_prefix="kvgraft-hash") as pool:
+        kv: Future[tuple[memoryview, Sha256Digest]] | None = None
+        while True:
+            if len(reads) >= max_depth:
+                raise LineageError(f"{directory}: its parent chain is longer than {max_depth} artifacts",
+                                   hint="a chain this deep is not a real one (a library's is 2); capture a shorter chain")
+            statement, signature = _read_statement_of(current, model, profile, trusted, insecure_skip_verify)
+            named = prefixed(statement.subject[0].digest.sha256)
+            reads.append(_Read(current, statement, signature, kv if kv is not None else pool.submit(_hash_kv, current)))
+            seen.add(named)
+            p = statement.predicate
+            if p.parent is None:
+                break
+            if p.parent in seen:
+                raise LineageError(f"{directory}: its parent chain is a cycle: {current} names {p.parent} as its parent, "
+                                   "which is already in the chain")
+            if parent is not None and parent.kv_digest == p.parent:
+                base = parent  # checked when it was loaded; the chain key below still ties it to the child
+                break
+            current, data = find_artifact(p.parent, current, digests)
+            kv = _done((data, p.parent))
+        checked = [_checked_bytes(r) for r in reads]
     loaded = base
     vocab = int(model.module.config.vocab_size)
-    for r in reversed(reads):
+    for r, (data, kv_digest) in zip(reversed(reads), reversed(checked), strict=True):
         p = r.statement.predicate
         if loaded is not None:
             lp = loaded.statement.predicate
@@ -394,11 +438,11 @@ def load_artifact(
             raise ArtifactError(f"{r.directory}: the token ids do not match their digest")
         check_token_ids(p.tokens.ids, p.positions.start, vocab, str(r.directory))
         try:
-            tensors, _ = deserialize(r.data, source=str(r.directory / KV_FILE))
+            tensors, _ = deserialize(data, source=str(r.directory / KV_FILE))
         except KvFileError as e:
             raise ArtifactError(str(e.message)) from e
         check_finite(tensors, p.positions.start, p.positions.end, str(r.directory / KV_FILE))
-        loaded = LoadedArtifact(r.directory, r.statement, r.kv_digest, tensors, loaded, r.signature)
+        loaded = LoadedArtifact(r.directory, r.statement, kv_digest, tensors, loaded, r.signature)
     if loaded is None:
         raise ArtifactError(f"{directory}: no artifact was read", hint="a bug: report it")
     return loaded

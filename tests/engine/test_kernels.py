@@ -64,13 +64,18 @@ def test_slot_mapping() -> None:
         slot_mapping(table.float(), 0, 1)
 
 
+#: A scattered block table (the sequence's blocks neither first nor in order: the references'
+#: indexed copies) and an in-order one (a restore's pool: one run of slots, the references' slice copies).
+TABLES = {"scattered": [7, 2, 10, 0, 5], "in-order": [3, 4, 5, 6, 7]}
+
+
 @needs_triton
 @pytest.mark.parametrize(("h", "d"), LAYOUTS)
 @pytest.mark.parametrize(("start", "length"), SPANS)
-def test_scatter_and_gather_kernels_equal_the_references(h: int, d: int, start: int, length: int) -> None:
+@pytest.mark.parametrize("table", sorted(TABLES))
+def test_scatter_and_gather_kernels_equal_the_references(h: int, d: int, start: int, length: int, table: str) -> None:
     keys, values = _kv(h, d, length, seed=start * 100 + length)
-    # A scattered block table: the sequence's blocks are neither first nor in order.
-    slots = slot_mapping(torch.tensor([7, 2, 10, 0, 5], dtype=torch.int64), start, length)
+    slots = slot_mapping(torch.tensor(TABLES[table], dtype=torch.int64), start, length)
     kc, vc = _cache(h, d)
     rk, rv = _cache(h, d)
     scatter_kv(keys, values, kc, vc, slots, backend="triton")
@@ -83,6 +88,30 @@ def test_scatter_and_gather_kernels_equal_the_references(h: int, d: int, start: 
     ek, ev = gather_kv_reference(kc, vc, slots)
     assert torch.equal(gk, ek) and torch.equal(gv, ev)
     assert torch.equal(gk, keys) and torch.equal(gv, values)
+
+
+@pytest.mark.parametrize(("h", "d"), LAYOUTS)
+@pytest.mark.parametrize(("start", "length"), SPANS)
+def test_reference_slice_copy_of_a_run_of_slots_equals_the_indexed_copy(h: int, d: int, start: int, length: int) -> None:
+    # The references copy a run of slots as one slice: the same bytes in the same slots as
+    # the indexed write and read every other block table takes.
+    keys, values = _kv(h, d, length, seed=start + 7 * length)
+    slots = slot_mapping(torch.tensor(TABLES["in-order"], dtype=torch.int64), start, length)
+    kc, vc = _cache(h, d)
+    scatter_kv_reference(keys, values, kc, vc, slots)
+    ik, iv = _cache(h, d)
+    ik.view(-1, h, d)[slots] = keys[0].transpose(0, 1)
+    iv.view(-1, h, d)[slots] = values[0].transpose(0, 1)
+    assert torch.equal(kc, ik) and torch.equal(vc, iv)
+    gk, gv = gather_kv_reference(kc, vc, slots)
+    assert torch.equal(gk, keys) and torch.equal(gv, values) and gk.is_contiguous() and gv.is_contiguous()
+    # A non-contiguous source (a slice of a bigger state) lands the same.
+    wide_k, wide_v = _kv(h, d, length + 2, seed=3)
+    wide_k[:, :, 1:1 + length] = keys
+    wide_v[:, :, 1:1 + length] = values
+    sk, sv = _cache(h, d)
+    scatter_kv_reference(wide_k[:, :, 1:1 + length], wide_v[:, :, 1:1 + length], sk, sv, slots)
+    assert torch.equal(sk, kc) and torch.equal(sv, vc)
 
 
 @needs_triton
