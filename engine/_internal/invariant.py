@@ -125,15 +125,38 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         padded = rows.contiguous()
     a = padded.view(tiles, t, k)  # [tiles * T, K] -> [tiles, T, K]
     out = rows.new_empty(tiles, t, n)
-    for c in range(0, n, settings.column_block):
-        w = weight[c:c + settings.column_block]  # [N_c, K]
-        # One batched call of `tiles` identical-shape GEMMs; expand shares the slice, no copy.
-        out[:, :, c:c + w.shape[0]] = torch.bmm(a, w.t().expand(tiles, k, w.shape[0]))
+    with _one_gemm_per_thread(tiles):
+        for c in range(0, n, settings.column_block):
+            w = weight[c:c + settings.column_block]  # [N_c, K]
+            # One batched call of `tiles` identical-shape GEMMs; expand shares the slice, no copy.
+            out[:, :, c:c + w.shape[0]] = torch.bmm(a, w.t().expand(tiles, k, w.shape[0]))
     y = out.view(tiles * t, n)[:m]  # [tiles, T, N] -> [M, N]
     if bias is not None:
         # Added after the GEMM (not as its beta term), elementwise: the same in every schedule.
         y = y + bias
     return y.reshape(*lead, n)  # [M, N] -> [..., N]
+
+
+@contextlib.contextmanager
+def _one_gemm_per_thread(gemms: int) -> Iterator[None]:
+    """Run a batch of ``gemms`` GEMMs on at most ``gemms`` threads.
+
+    With fewer GEMMs than threads, MKL may share one GEMM between threads, and how it cuts it
+    (along K too, which changes the sum order) is its own choice, not promised to match the
+    one-thread result. That happens only in a multi-tile pass that keeps few rows (the lm head of
+    ``keep_last <= tile`` after a long prefill), and a token's row must not depend on it: CI
+    once saw Qwen2.5's greedy decode (one thread) differ from its 44-token prefill keeping 5
+    rows (two threads, one lm-head tile). The batch's GEMMs are whole per thread otherwise.
+    """
+    threads = torch.get_num_threads()
+    if gemms >= threads:
+        yield
+        return
+    torch.set_num_threads(max(1, gemms))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def tiled_elementwise(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -9,6 +9,7 @@ The format is the one documented at https://github.com/huggingface/safetensors.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -68,8 +69,7 @@ def read_hashed(path: Path) -> tuple[memoryview, Sha256Digest]:
     """
     with path.open("rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        # Anonymous memory: the kernel maps its pages in as the read first writes them.
-        buf = memoryview(mmap.mmap(-1, size) if size else bytearray())
+        buf = memoryview(_private_memory(size) if size else bytearray())
         done = 0
         while done < size:
             n = f.readinto(buf[done:])
@@ -81,6 +81,22 @@ def read_hashed(path: Path) -> tuple[memoryview, Sha256Digest]:
             raise KvFileError(f"{path} grew past {size} bytes while it was read",
                               hint="something is writing the file: read it again once it is complete")
     return buf, prefixed(Sha256Hex(hashlib.sha256(buf).hexdigest()))
+
+
+def _private_memory(size: int) -> mmap.mmap:
+    """``size`` bytes of anonymous memory the kernel maps in as the read first writes them.
+
+    Private (``mmap``'s default is shared memory, which transparent huge pages do not back here)
+    and advised to use huge pages: a 94 MB read into 4 KiB pages faulted in one by one took
+    70-110 ms on a 2-core VM, into 2 MiB pages 17-23 ms (the page cache copy itself about 10 ms).
+    """
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    memory = mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)
+    huge = getattr(mmap, "MADV_HUGEPAGE", None)
+    if huge is not None:
+        with contextlib.suppress(OSError):  # a kernel without transparent huge pages: plain pages
+            memory.madvise(huge)
+    return memory
 
 
 def deserialize(data: bytes | memoryview, *, source: str = "kv file") -> tuple[dict[str, torch.Tensor], dict[str, str]]:

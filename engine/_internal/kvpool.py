@@ -59,10 +59,12 @@ class LayerPool:
         scatter_kv(keys, values, self.keys, self.values, slot_mapping(self.block_table, start, n), backend=self.backend)
         self._written[start:start + n] = True
 
-    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every position's keys and values, dense: ``[1, kv_heads, positions, head_dim]`` each."""
+    def read(self, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every position's keys and values, dense: ``[1, kv_heads, positions, head_dim]`` each,
+        new, or written into ``out`` (``kernels.gather_kv``'s: a float32 ``out`` widens a
+        half-precision pool exactly) and returned."""
         if not bool(self._written.all()):
             first = int((~self._written).nonzero()[0])
             raise ArtifactError(f"position {first} of the {self.positions} restored was never written",
                                 hint="the chain must cover every position from 0")
-        return gather_kv(self.keys, self.values, slot_mapping(self.block_table, 0, self.positions), backend=self.backend)
+        return gather_kv(self.keys, self.values, slot_mapping(self.block_table, 0, self.positions), out=out, backend=self.backend)

@@ -17,10 +17,16 @@ values). The cache's tensors stay in the profile's compute dtype (float32 on the
 arithmetic; an artifact stores them in the cache dtype, which loses nothing, and a restore widens
 them back exactly. The state lives on the profile's device (``profiles.placed``).
 
+Full-attention layers append in place (``_GrowingLayer``): their keys and values are views of
+buffers with ``ROOM`` positions past the end, so a pass writes only its own positions instead of
+copying the whole cache, as transformers' concatenating layer does; attention reads the views by
+stride, with the same bits (tested against the concatenating layer).
+
 A restore writes every artifact of a chain, at its own positions, into a paged pool through
 the graft kernels (``kvpool.LayerPool``: ``kernels.scatter_kv``, then ``kernels.gather_kv``
-for the dense tensors attention reads), and a shifted restore re-rotates keys with
-``kernels.rerotate``: Triton where it runs, the torch references elsewhere, equal bit for bit.
+straight into the layer's buffers, widening a half-precision pool exactly), and a shifted
+restore re-rotates keys with ``kernels.rerotate``: Triton where it runs, the torch references
+elsewhere, equal bit for bit.
 
 Tensors in an artifact, per layer ``i`` (shape ``[1, kv_heads, tokens, head_dim]``, the
 profile's cache dtype; ``seen`` int64):
@@ -159,17 +165,21 @@ class KVState:
             pool = LayerPool(sum(k.shape[2] for k, _, _ in parts), kv_heads, head_dim, state.kv_dtype, state.device)
             for keys, values, start in parts:
                 pool.write(keys.to(state.device), values.to(state.device), start)
-            keys, values = pool.read()  # [1, h, held, d] each
+            if isinstance(layer, _GrowingLayer):
+                # Read straight into the layer's buffers, widened back exactly (the cache holds
+                # the compute dtype whatever it stores), with room for what runs next.
+                reserved = layer.reserve((1, kv_heads, pool.positions, head_dim), state.compute_dtype, state.device)
+                keys, values = pool.read(out=reserved)  # [1, h, held, d] each
+            else:
+                keys, values = (t.to(state.compute_dtype) for t in pool.read())
+                layer.lazy_initialization(keys, values)
+                layer.keys, layer.values = keys, values
+                if isinstance(layer, DynamicSlidingWindowLayer):
+                    layer.cumulative_length = int(last.tensors[f"layers.{i}.seen"][0])
             del pool
-            # Widened back exactly: the cache holds the compute dtype whatever it stores.
-            keys, values = keys.to(state.compute_dtype), values.to(state.compute_dtype)
             if shift:
                 # The graft kernels' re-rotation: Triton where it runs, else its torch reference (equal bit for bit).
-                keys = rerotate(keys, *_rotation(model, i, shift, keys))  # [1, h, held, d]
-            layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
-            if isinstance(layer, DynamicSlidingWindowLayer):
-                layer.cumulative_length = int(last.tensors[f"layers.{i}.seen"][0])
+                keys.copy_(rerotate(keys, *_rotation(model, i, shift, keys)))  # [1, h, held, d]
         state.token_ids = [t for s in chain for t in s.token_ids]
         return state
 
@@ -297,12 +307,83 @@ def _left_pad(t: torch.Tensor, width: int, dim: int = -2) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
-class _RoundedLayer(DynamicLayer):
+#: Positions of room a full-attention layer keeps past its end when it (re)allocates: a question,
+#: or that many decode steps, append in place before the next copy.
+ROOM = 256
+
+
+class _GrowingLayer(DynamicLayer):
+    """A full-attention cache layer that appends in place.
+
+    ``keys``/``values`` are views of the first ``n`` positions of buffers ``[B, h, capacity, d]``
+    with room past ``n``: a pass writes only its new positions, where transformers'
+    ``DynamicLayer`` copies the whole cache into a new tensor every pass (at 4K positions that
+    copy cost a graft's continuation more than its attention). When the room runs out, or
+    ``keys`` is no longer a view of the buffers (``KVBatch`` sets it directly), the held
+    positions are copied once into new buffers with ``ROOM`` more. The views hold the same values
+    a concatenation would (attention reads them by stride; its bits do not depend on the stride,
+    tested), so the exactness contract is untouched. Positions below ``n`` are never written
+    again: a view handed out earlier (an export) keeps its values.
+    """
+
+    # No new slots: an existing layer's class is swapped for this one, which needs the same
+    # memory layout (the buffers live in the layer's own ``__dict__``).
+    __slots__ = ()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = _appended(self, "keys", key_states)
+        self.values = _appended(self, "values", value_states)
+        return self.keys, self.values
+
+    def reserve(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make the layer hold ``shape`` ``[B, h, n, d]`` keys and values in new buffers with
+        ``ROOM`` past them, and return both for the caller to fill before any pass reads them
+        (a restore's gather writes them)."""
+        keys, values = _buffer(self, "keys", shape, dtype, device), _buffer(self, "values", shape, dtype, device)
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+        return keys, values
+
+
+def _buffer(layer: DynamicLayer, part: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new buffer for ``shape`` ``[B, h, n, d]`` with ``ROOM`` more positions, kept on ``layer``
+    as ``_room_<part>``: the view of its first ``n`` (uninitialised)."""
+    b, h, n, d = shape
+    buffer = torch.empty(b, h, n + ROOM, d, dtype=dtype, device=device)
+    setattr(layer, f"_room_{part}", buffer)
+    return buffer[:, :, :n]  # [B, h, n + ROOM, d] -> [B, h, n, d]
+
+
+def _held(layer: DynamicLayer, part: str, t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` ``[B, h, n, d]`` at the start of a new buffer (``_buffer``)."""
+    view = _buffer(layer, part, tuple(t.shape), t.dtype, t.device)
+    view.copy_(t)
+    return view
+
+
+def _appended(layer: DynamicLayer, part: str, new: torch.Tensor) -> torch.Tensor:
+    """The layer's ``part`` followed by ``new`` along positions: ``[B, h, n, d]`` + ``[B, h, q, d]``
+    -> ``[B, h, n + q, d]``, written into the room past ``n`` when the buffer has it."""
+    held: torch.Tensor = getattr(layer, part)
+    buffer: torch.Tensor | None = layer.__dict__.get(f"_room_{part}")
+    n, q = (held.shape[-2] if held.dim() == 4 else 0), new.shape[-2]
+    if buffer is None or not (
+        held.dim() == 4 and buffer.dtype == new.dtype
+        and held.data_ptr() == buffer.data_ptr() and held.stride() == buffer.stride()
+        and held.shape[:2] == new.shape[:2] == buffer.shape[:2] and n + q <= buffer.shape[2]
+    ):
+        full = torch.cat([held, new], dim=-2) if held.dim() == 4 else new  # [B, h, n + q, d]
+        return _held(layer, part, full)
+    buffer[:, :, n:n + q] = new
+    return buffer[:, :, :n + q]  # [B, h, capacity, d] -> [B, h, n + q, d]
+
+
+class _RoundedLayer(_GrowingLayer):
     """A full-attention cache layer whose keys and values are rounded to ``dtype`` as they
     enter (then held as float32, which represents them exactly)."""
 
-    # No new slots: an existing layer's class is swapped for this one, which needs the same
-    # memory layout (``dtype`` lives in the layer's own ``__dict__``).
     __slots__ = ()
     dtype: torch.dtype
 
@@ -321,13 +402,19 @@ class _RoundedSlidingLayer(DynamicSlidingWindowLayer):
 
 
 def _new_cache(model: LoadedModel, kv_dtype: torch.dtype, compute_dtype: torch.dtype) -> DynamicCache:
-    """An empty cache for ``model`` storing ``kv_dtype``: transformers' own layers, made rounding
-    ones (``_RoundedLayer``, ``_RoundedSlidingLayer``) when the dtype is narrower than the
-    model computes in."""
+    """An empty cache for ``model`` storing ``kv_dtype``: its full-attention layers growing in
+    place (``_GrowingLayer``), and rounding ones (``_RoundedLayer``, ``_RoundedSlidingLayer``)
+    when the dtype is narrower than the model computes in; sliding layers otherwise
+    transformers' own (they hold only their window)."""
     cache = DynamicCache(config=model.module.config)
-    if kv_dtype != compute_dtype:
-        for layer in _layers(cache):
-            layer.__class__ = _RoundedSlidingLayer if isinstance(layer, DynamicSlidingWindowLayer) else _RoundedLayer
+    rounding = kv_dtype != compute_dtype
+    for layer in _layers(cache):
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            if rounding:
+                layer.__class__ = _RoundedSlidingLayer
+        else:
+            layer.__class__ = _RoundedLayer if rounding else _GrowingLayer
+        if rounding:
             layer.dtype = kv_dtype  # type: ignore[attr-defined]
     return cache
 

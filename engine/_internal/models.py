@@ -45,6 +45,7 @@ from kvgraft.schemas import (
 )
 
 from .errors import ModelFileError, ModelNotInstalledError, UnknownModelError
+from .memory import retain_freed_memory
 from .tokenizers import ByteTokenizer, HfTokenizer, Tokenizer
 
 if TYPE_CHECKING:  # at run time this module imports transformers only where a model is built
@@ -504,8 +505,12 @@ def _build_tiny() -> LoadedModel:
 
 
 def load_model(name: str, *, progress: bool = True) -> LoadedModel:
-    """Load model ``name`` in float32 with eager attention, converting its GGUF on first use."""
+    """Load model ``name`` in float32 with eager attention, converting its GGUF on first use.
+
+    Also tunes this process's allocator for the model's working set (``memory.retain_freed_memory``).
+    """
     spec = spec_for(name)
+    retain_freed_memory()
     if spec.gguf_sha256 is None:
         return _build_tiny()
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -366,6 +366,7 @@ def applied(profile: DeterminismProfile) -> Iterator[None]:
     threads = torch.get_num_threads()
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
     grad = torch.is_grad_enabled()
     cache_dtype = _APPLIED_KV_DTYPE.set(kv_dtype(profile))
     placement = _APPLIED_PLACEMENT.set(("cuda" if profile.device_kind == "cuda" else "cpu", compute_dtype(profile)))
@@ -375,6 +376,13 @@ def applied(profile: DeterminismProfile) -> Iterator[None]:
     attention = _APPLIED_ATTENTION.set(profile.attention_implementation)
     torch.set_num_threads(profile.threads)
     torch.use_deterministic_algorithms(profile.deterministic_algorithms)
+    # Deterministic mode also fills every new tensor with NaN before its kernel writes it, a
+    # guard against kernels that read memory they never wrote. Every kernel the engine runs
+    # writes its outputs whole (a read of unwritten memory would show as NaN or as bits that
+    # vary between runs, which the exactness and invariance tests compare), so the fill only
+    # costs a write of every new tensor and the page faults of touching it early: most of a
+    # 4K graft's restore.
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
     torch.set_grad_enabled(False)
     try:
         with kernels:
@@ -387,6 +395,7 @@ def applied(profile: DeterminismProfile) -> Iterator[None]:
         _APPLIED_KV_DTYPE.reset(cache_dtype)
         torch.set_grad_enabled(grad)
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
         torch.set_num_threads(threads)
 
 

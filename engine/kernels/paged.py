@@ -91,21 +91,23 @@ def scatter_kv_reference(
 
 
 def gather_kv_reference(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
+    key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor,
+    *, out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read cache slots ``slots`` back into artifact layout ``[1, H, t, d]`` (torch)."""
+    """Read cache slots ``slots`` back into artifact layout ``[1, H, t, d]`` (torch): new dense
+    tensors, or ``out``'s (any strides; a wider float dtype widens exactly)."""
     h, d = key_cache.shape[2], key_cache.shape[3]
     flat_k, flat_v = key_cache.view(-1, h, d), value_cache.view(-1, h, d)  # [slots, H, d]
     start = _run_start(slots)
-    if start is not None:
-        # A run is a slice: one copy into the dense layout, no indexed gather before it.
-        rows = slice(start, start + slots.numel())
-        keys = flat_k[rows].transpose(0, 1)[None].contiguous()  # [t, H, d] -> [1, H, t, d]
-        values = flat_v[rows].transpose(0, 1)[None].contiguous()
-        return keys, values
-    keys = flat_k[slots].transpose(0, 1)[None].contiguous()  # [t, H, d] -> [1, H, t, d]
-    values = flat_v[slots].transpose(0, 1)[None].contiguous()
-    return keys, values
+    # A run is a slice: one copy into the dense layout, no indexed gather before it.
+    rows = slice(start, start + slots.numel()) if start is not None else slots
+    src_k = flat_k[rows].transpose(0, 1)[None]  # [t, H, d] -> [1, H, t, d]
+    src_v = flat_v[rows].transpose(0, 1)[None]
+    if out is None:
+        return src_k.contiguous(), src_v.contiguous()
+    out[0].copy_(src_k)
+    out[1].copy_(src_v)
+    return out
 
 
 def scatter_kv(
@@ -138,9 +140,13 @@ def scatter_kv(
 
 
 def gather_kv(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor, *, backend: Backend = "auto"
+    key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor, *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None, backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read the paged cache at ``slots`` back into artifact layout ``[1, H, t, d]``."""
+    """Read the paged cache at ``slots`` back into artifact layout ``[1, H, t, d]``: new dense
+    tensors, or written into ``out`` (two ``[1, H, t, d]`` tensors on the cache's device, any
+    strides whose last is 1, the cache's dtype or a wider float one: the values widen exactly),
+    which is returned."""
     contiguous = key_cache.is_contiguous() and value_cache.is_contiguous()
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape or not contiguous:
         raise KernelError("a paged cache is two contiguous [num_blocks, block_size, kv_heads, head_dim] tensors, "
@@ -150,11 +156,14 @@ def gather_kv(
     capacity = key_cache.shape[0] * key_cache.shape[1]
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
         raise KernelError(f"slots run outside the cache's {capacity} slots")
-    if choose(backend, key_cache, value_cache, slots) == "torch":
-        return gather_kv_reference(key_cache, value_cache, slots)
     h, d, t = key_cache.shape[2], key_cache.shape[3], slots.numel()
-    keys = key_cache.new_empty(1, h, t, d)
-    values = value_cache.new_empty(1, h, t, d)
+    if out is not None:
+        _check_out(out, key_cache, (1, h, t, d))
+    if choose(backend, key_cache, value_cache, slots) == "torch":
+        return gather_kv_reference(key_cache, value_cache, slots, out=out)
+    keys, values = out if out is not None else (key_cache.new_empty(1, h, t, d), value_cache.new_empty(1, h, t, d))
+    if keys.stride() != values.stride():
+        raise KernelError("gather_kv's two outputs must have the same strides", hint="allocate them alike")
     if t:
         kernels().gather_kv[(t, h)](
             key_cache, value_cache, slots.to(torch.int64).contiguous(), keys, values,
@@ -162,3 +171,17 @@ def gather_kv(
             BLOCK_D=block_for(d),
         )
     return keys, values
+
+
+#: The half-precision cache dtypes a float32 output widens exactly.
+_HALVES = (torch.float16, torch.bfloat16)
+
+
+def _check_out(out: tuple[torch.Tensor, torch.Tensor], cache: torch.Tensor, shape: tuple[int, int, int, int]) -> None:
+    """``out`` can take a gather of ``shape`` from ``cache`` without losing a bit."""
+    for t in out:
+        widens = t.dtype == cache.dtype or (t.dtype == torch.float32 and cache.dtype in _HALVES)
+        if tuple(t.shape) != shape or t.device != cache.device or t.stride(-1) != 1 or not widens:
+            raise KernelError(f"gather_kv cannot write a {shape} {cache.dtype} gather into a {tuple(t.shape)} "
+                              f"{t.dtype} tensor on {t.device} with strides {t.stride()}",
+                              hint="pass [1, H, t, d] tensors on the cache's device, last stride 1, dtype the cache's or wider")

@@ -257,3 +257,35 @@ def test_triton_backend_refused_on_cpu_without_the_interpreter(monkeypatch: pyte
     assert choose("auto", keys) == "torch"
     with pytest.raises(KernelError, match="cannot run the Triton kernel"):
         choose("triton", keys)
+
+
+@pytest.mark.parametrize("table", sorted(TABLES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gather_into_strided_float32_buffers_widens_exactly(table: str, dtype: torch.dtype) -> None:
+    # A restore gathers straight into the cache's buffers: views of the first positions of a
+    # longer [1, h, capacity, d] tensor, float32 whatever the pool stores.
+    h, d, length = 3, 64, 44
+    keys, values = (t.to(dtype) for t in _kv(h, d, length, seed=11))
+    slots = slot_mapping(torch.tensor(TABLES[table], dtype=torch.int64), 5, length)
+    kc, vc = (t.to(dtype) for t in _cache(h, d))
+    scatter_kv_reference(keys, values, kc, vc, slots)
+    backends = ["torch", "triton"] if triton_available() else ["torch"]
+    for backend in backends:
+        room_k, room_v = torch.full((1, h, length + 9, d), 5.0), torch.full((1, h, length + 9, d), 5.0)
+        out = (room_k[:, :, :length], room_v[:, :, :length])
+        got = gather_kv(kc, vc, slots, out=out, backend=backend)  # type: ignore[arg-type]
+        assert got[0] is out[0] and got[1] is out[1]
+        assert torch.equal(room_k[:, :, :length], keys.float()) and torch.equal(room_v[:, :, :length], values.float())
+        assert (room_k[:, :, length:] == 5.0).all() and (room_v[:, :, length:] == 5.0).all(), f"{backend} wrote past its positions"
+
+
+def test_gather_refuses_an_output_that_would_lose_bits() -> None:
+    h, d = 2, 16
+    kc, vc = _cache(h, d)
+    slots = slot_mapping(torch.tensor([0, 1], dtype=torch.int64), 0, 20)
+    narrow = (torch.empty(1, h, 20, d, dtype=torch.float16), torch.empty(1, h, 20, d, dtype=torch.float16))
+    with pytest.raises(KernelError, match=r"cannot write a \(1, 2, 20, 16\) torch.float32 gather into a \(1, 2, 20, 16\) torch.float16"):
+        gather_kv(kc, vc, slots, out=narrow)
+    short = (torch.empty(1, h, 19, d), torch.empty(1, h, 19, d))
+    with pytest.raises(KernelError, match=r"into a \(1, 2, 19, 16\) torch.float32 tensor"):
+        gather_kv(kc, vc, slots, out=short)
