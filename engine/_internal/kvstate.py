@@ -158,24 +158,24 @@ class KVState:
             # The layer's restored positions, written into a paged pool through the graft
             # kernels and read back dense (kvpool.py): a sliding layer its held window, a full
             # layer every segment of the chain at its own positions.
-            if isinstance(layer, DynamicSlidingWindowLayer):
+            sliding = isinstance(layer, DynamicSlidingWindowLayer)
+            if sliding:
                 parts = [(last.tensors[f"layers.{i}.keys"], last.tensors[f"layers.{i}.values"], 0)]
             else:
                 parts = [(s.tensors[f"layers.{i}.keys"], s.tensors[f"layers.{i}.values"], s.start) for s in chain]
             pool = LayerPool(sum(k.shape[2] for k, _, _ in parts), kv_heads, head_dim, state.kv_dtype, state.device)
             for keys, values, start in parts:
                 pool.write(keys.to(state.device), values.to(state.device), start)
-            if isinstance(layer, _GrowingLayer):
-                # Read straight into the layer's buffers, widened back exactly (the cache holds
-                # the compute dtype whatever it stores), with room for what runs next.
-                reserved = layer.reserve((1, kv_heads, pool.positions, head_dim), state.compute_dtype, state.device)
-                keys, values = pool.read(out=reserved)  # [1, h, held, d] each
-            else:
-                keys, values = (t.to(state.compute_dtype) for t in pool.read())
+            # Widened back exactly: the cache holds the compute dtype whatever it stores.
+            if sliding:
+                keys, values = (t.to(state.compute_dtype) for t in pool.read())  # [1, h, held, d] each
                 layer.lazy_initialization(keys, values)
                 layer.keys, layer.values = keys, values
-                if isinstance(layer, DynamicSlidingWindowLayer):
-                    layer.cumulative_length = int(last.tensors[f"layers.{i}.seen"][0])
+                layer.cumulative_length = int(last.tensors[f"layers.{i}.seen"][0])
+            else:
+                # Straight into the growing layer's buffers, with room for what runs next.
+                reserved = _growing(layer).reserve((1, kv_heads, pool.positions, head_dim), state.compute_dtype, state.device)
+                keys, values = pool.read(out=reserved)
             del pool
             if shift:
                 # The graft kernels' re-rotation: Triton where it runs, else its torch reference (equal bit for bit).
@@ -345,6 +345,13 @@ class _GrowingLayer(DynamicLayer):
         self.lazy_initialization(keys, values)
         self.keys, self.values = keys, values
         return keys, values
+
+
+def _growing(layer: DynamicLayer) -> _GrowingLayer:
+    """``layer``, a full-attention layer of a cache ``_new_cache`` made: always a ``_GrowingLayer``."""
+    if not isinstance(layer, _GrowingLayer):
+        raise TypeError(f"full-attention cache layer {type(layer).__name__} is not one _new_cache makes")
+    return layer
 
 
 def _buffer(layer: DynamicLayer, part: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -16,7 +16,6 @@ Only glibc has ``mallopt``; elsewhere this does nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import threading
 
 #: glibc's ``mallopt`` parameters (malloc.h).
@@ -37,12 +36,8 @@ def retain_freed_memory() -> bool:
     with _LOCK:
         if _done:
             return True
-        name = ctypes.util.find_library("c")
-        try:
-            libc = ctypes.CDLL(name) if name else None
-            mallopt = getattr(libc, "mallopt", None)
-        except OSError:
-            mallopt = None
+        # The process's own symbols: libc is among them wherever glibc is, with no library search.
+        mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
         if mallopt is None:
             return False
         # mallopt returns 1 on success; a refused value leaves glibc's default in place.
