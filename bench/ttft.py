@@ -40,8 +40,6 @@ from common import QUICK, corpus_text, figure, median, say, write_result
 from kvgraft.engine import (
     DEFAULT_PROFILE,
     KV_FILE,
-    KVState,
-    applied,
     cache_dir,
     capture,
     current_profile,
@@ -184,6 +182,7 @@ def main() -> None:
                 llama.eval(prefix)
                 row["llama_state_bytes"] = llama.save(state_file)
             runs: dict[str, list[float]] = {"recompute": [], **{k: [] for k in graft_keys}, "llama_restore": [], "llama_recompute": []}
+            phase_runs: dict[str, dict[str, list[float]]] = {k: {"load": [], "restore": [], "pass": []} for k in graft_keys}
             # Long prefixes cost minutes per recompute: one run fewer there (never fewer than 2).
             reps = args.runs if length < 4096 else max(2, args.runs - 1)
             for r in range(reps):
@@ -197,10 +196,15 @@ def main() -> None:
                     # graft from the local store, digests checked
                     t0 = time.perf_counter()
                     art = load_artifact(chains[key][length], model, p, trusted=trusted)
+                    t1 = time.perf_counter()
                     # Only the last position's logits: the first token needs no more (recompute
                     # keeps one too, llama.cpp computes one by default).
                     cont = graft(model, p, art, QUESTION, keep_last=1)
                     runs[key].append(time.perf_counter() - t0)
+                    # Where the time went: load_artifact, then graft's restore and pass.
+                    phase_runs[key]["load"].append(t1 - t0)
+                    phase_runs[key]["restore"].append(cont.state_seconds)
+                    phase_runs[key]["pass"].append(cont.pass_seconds)
                     if cont.prefix_tokens != len(prefix) or cont.continuation_ids != q_ids:
                         raise SystemExit("the graft ran other tokens than the recompute")
                     del art, cont
@@ -219,10 +223,9 @@ def main() -> None:
                         runs["llama_recompute"].append(time.perf_counter() - t0)
                 say(f"L={len(prefix)} run {r + 1}/{reps}: " + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in runs.items() if v))
             row["runs"] = {k: v for k, v in runs.items() if v}
-            # Where each graft's time goes, in runs of their own (not the timed ones above):
-            # load_artifact, the restore into the paged pool and the cache, the question's pass.
-            row["phases_median_s"] = {key: phases(model, p, chains[key][length], trusted, q_ids, reps)
-                                      for key, p in zip(graft_keys, profiles, strict=True)}
+            # Where each graft's time went, in the timed runs above: load_artifact, the restore into
+            # the paged pool and the cache, the question's pass (medians of each on its own).
+            row["phases_median_s"] = {key: {ph: median(v) for ph, v in by.items()} for key, by in phase_runs.items()}
             row["median_s"] = {k: median(v) for k, v in row["runs"].items()}
             m = row["median_s"]
             row["speedup_graft_vs_recompute"] = m["recompute"] / m["graft"]
@@ -272,27 +275,6 @@ def main() -> None:
         "met_by_graft": met_by_graft,
     })
     plot(rows, args.threads)
-
-
-def phases(model: Any, profile: Any, directory: Path, trusted: Any, q_ids: list[int], reps: int) -> dict[str, float]:
-    """Median seconds of a graft's three steps: ``load`` (load_artifact: read, sha256 of every
-    byte, statement and profile checks), ``restore`` (KVState.restore: the paged pool's scatter
-    and gather into the cache) and ``pass`` (the question's forward pass on the cache)."""
-    times: dict[str, list[float]] = {"load": [], "restore": [], "pass": []}
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        art = load_artifact(directory, model, profile, trusted=trusted)
-        with applied(profile):
-            t1 = time.perf_counter()
-            state = KVState.restore(model, art.segments())
-            t2 = time.perf_counter()
-            state.extend(q_ids, keep_last=1)
-            t3 = time.perf_counter()
-        times["load"].append(t1 - t0)
-        times["restore"].append(t2 - t1)
-        times["pass"].append(t3 - t2)
-        del art, state
-    return {k: median(v) for k, v in times.items()}
 
 
 def plot(rows: list[dict[str, Any]], threads: int) -> None:

@@ -10,11 +10,14 @@ The format is the one documented at https://github.com/huggingface/safetensors.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import mmap
 import os
+import queue
 import struct
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -57,43 +60,119 @@ def serialize(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] |
     return struct.pack("<Q", len(text)) + text + b"".join(blobs)
 
 
+#: Bytes ``read_hashed`` reads per step: small enough that a step's bytes are still in the CPU's
+#: cache when they are hashed, large enough that a step's overhead is noise.
+READ_CHUNK = 8 * 1024 * 1024
+#: ``madvise`` advice (Linux 5.14+) that maps a range's pages in, writable, in one call.
+_MADV_POPULATE_WRITE = 23
+
+
 def read_hashed(path: Path) -> tuple[memoryview, Sha256Digest]:
     """``path``'s bytes, as a writable buffer the caller owns, and their SHA-256.
 
-    The buffer is allocated unwritten and read into directly (``bytes`` would be copied once
+    The buffer is private anonymous memory read into directly (``bytes`` would be copied once
     more by ``deserialize``, a zeroed ``bytearray`` written once more before the read): handed
-    to ``deserialize``, its tensors are views of it. Raises ``OSError`` when the file cannot be
-    read, and ``KvFileError`` when it changes size while it is read (the bytes hashed would not
-    be the file's).
+    to ``deserialize``, its tensors are views of it. A file larger than ``READ_CHUNK`` is read
+    and hashed at once: a thread reads chunk after chunk (mapping each chunk's pages in first)
+    while this one hashes the chunks already read, so the whole costs about the hash alone
+    (``readinto`` and hashlib both release the GIL). The digest is of exactly the bytes in the
+    buffer. Raises ``OSError`` when the file cannot be read, and ``KvFileError`` when it changes
+    size while it is read (the bytes hashed would not be the file's).
     """
     with path.open("rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        buf = memoryview(_private_memory(size) if size else bytearray())
-        done = 0
-        while done < size:
-            n = f.readinto(buf[done:])
+        memory = _private_memory(size, populate=size <= READ_CHUNK)
+        buf = memoryview(memory) if memory is not None else memoryview(bytearray())
+        h = hashlib.sha256()
+        if size <= READ_CHUNK:
+            for start, end in _read_chunks(f, buf, None, path):
+                h.update(buf[start:end])
+        else:
+            _hash_while_reading(f, buf, memory, path, h)
+    return buf, prefixed(Sha256Hex(h.hexdigest()))
+
+
+def _read_chunks(f: io.FileIO, buf: memoryview, memory: mmap.mmap | None, path: Path) -> Iterator[tuple[int, int]]:
+    """Read ``f`` into ``buf`` (exactly its size) ``READ_CHUNK`` bytes at a time, yielding each
+    chunk's ``[start, end)`` once it is read; ``memory`` given, each chunk's pages are mapped in
+    before it is read (a fresh page faulted in one by one costs microseconds on a VM)."""
+    size = len(buf)
+    done = 0
+    while done < size:
+        end = min(size, done + READ_CHUNK)
+        if memory is not None:
+            _populate(memory, done, end - done)
+        start = done
+        while done < end:
+            n = f.readinto(buf[done:end])
             if not n:
                 raise KvFileError(f"{path} shrank from {size} to {done} bytes while it was read",
                                   hint="something is writing the file: read it again once it is complete")
             done += n
-        if f.read(1):
-            raise KvFileError(f"{path} grew past {size} bytes while it was read",
-                              hint="something is writing the file: read it again once it is complete")
-    return buf, prefixed(Sha256Hex(hashlib.sha256(buf).hexdigest()))
+        yield start, end
+    if f.read(1):
+        raise KvFileError(f"{path} grew past {size} bytes while it was read",
+                          hint="something is writing the file: read it again once it is complete")
 
 
-def _private_memory(size: int) -> mmap.mmap:
-    """``size`` bytes of private anonymous memory, its pages mapped in up front.
+def _hash_while_reading(f: io.FileIO, buf: memoryview, memory: mmap.mmap | None, path: Path, h: hashlib._Hash) -> None:
+    """``_read_chunks`` on a thread of its own, this one hashing each chunk it hands over.
+
+    The reader stops at the first chunk after ``stop`` is set, so an error here (or an
+    interrupt) never leaves it reading into a buffer nobody owns; its own error is raised here.
+    """
+    ready: queue.SimpleQueue[tuple[int, int] | BaseException | None] = queue.SimpleQueue()
+    stop = threading.Event()
+
+    def read() -> None:
+        try:
+            for chunk in _read_chunks(f, buf, memory, path):
+                if stop.is_set():
+                    return
+                ready.put(chunk)
+            ready.put(None)
+        except BaseException as e:  # handed to the hashing thread, which raises it
+            ready.put(e)
+
+    reader = threading.Thread(target=read, name="kvgraft-read", daemon=True)
+    reader.start()
+    try:
+        while (item := ready.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            h.update(buf[item[0]:item[1]])
+    finally:
+        stop.set()
+        reader.join()
+
+
+def _populate(memory: mmap.mmap, start: int, length: int) -> None:
+    """Map ``[start, start + length)`` of ``memory`` in, writable, in one call where the kernel
+    can (``MADV_POPULATE_WRITE``); elsewhere the read faults the pages in as it writes them."""
+    try:
+        memory.madvise(_MADV_POPULATE_WRITE, start, length)
+    except (OSError, ValueError):
+        pass  # an older kernel: the pages fault in as they are read, the same bytes
+
+
+def _private_memory(size: int, *, populate: bool) -> mmap.mmap | None:
+    """``size`` bytes of private anonymous memory (None for 0 bytes), its pages mapped in up
+    front when ``populate``.
 
     Private, since ``mmap``'s default is shared memory, whose pages cost more to fault in; and
-    populated in one call (``MAP_POPULATE``) rather than one page fault per 4 KiB page as the read
-    first writes it, which on a VM is what a read of a large file spent most of its time on: 94 MB
-    read in 57-68 ms into faulted pages, 41-52 ms populated, about 10 ms into pages already
-    mapped (2 cores, AVX-512 EPYC VM). Huge pages (``MADV_HUGEPAGE``) read in 18-28 ms but stalled
-    400+ ms whenever the kernel had to compact memory first (after a recompute had churned it),
-    so they are not asked for.
+    populated in one call (``MAP_POPULATE``, or ``_populate`` chunk by chunk as ``read_hashed``
+    reads a large file) rather than one page fault per 4 KiB page as the read first writes it,
+    which on a VM is what a read of a large file spent most of its time on: 94 MB read in 57-68
+    ms into faulted pages, 41-52 ms populated, about 10 ms into pages already mapped (2 cores,
+    AVX-512 EPYC VM). Huge pages (``MADV_HUGEPAGE``) read in 18-28 ms but stalled 400+ ms
+    whenever the kernel had to compact memory first (after a recompute had churned it), so they
+    are not asked for.
     """
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0) | getattr(mmap, "MAP_POPULATE", 0)
+    if not size:
+        return None
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    if populate:
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
     return mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)
 
 

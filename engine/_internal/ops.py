@@ -62,7 +62,17 @@ class Continuation:
     logits: torch.Tensor  # [continuation_tokens, vocab] float32 (the last keep_last rows when graft was given it)
     prefix_tokens: int
     continuation_ids: list[int]
+    #: Wall time of the whole: the prefix's state made, then the continuation's pass.
     seconds: float
+    #: Of ``seconds``, the time until the prefix's state existed: ``KVState.restore`` for a graft,
+    #: the prefix's recompute for ``fresh``; 0 where prefix and continuation ran as one pass.
+    state_seconds: float = 0.0
+
+    @property
+    def pass_seconds(self) -> float:
+        """Of ``seconds``, the continuation's own pass (its tokenizing included); the whole
+        where prefix and continuation ran as one pass."""
+        return self.seconds - self.state_seconds
 
     @property
     def positions(self) -> tuple[int, int]:
@@ -123,9 +133,10 @@ def graft(
     with applied(profile):
         t0 = time.perf_counter()
         state = KVState.restore(model, artifact.segments(), shift=shift)
+        t1 = time.perf_counter()
         ids = _tokens(model, text, first=False, what="continuation text")
         logits = state.extend(ids, keep_last=keep_last)
-        return Continuation(logits, artifact.statement.predicate.positions.end, ids, time.perf_counter() - t0)
+        return Continuation(logits, artifact.statement.predicate.positions.end, ids, time.perf_counter() - t0, t1 - t0)
 
 
 def fresh(model: LoadedModel, profile: DeterminismProfile, prefix: str, text: str) -> Continuation:
@@ -134,9 +145,10 @@ def fresh(model: LoadedModel, profile: DeterminismProfile, prefix: str, text: st
         t0 = time.perf_counter()
         state = KVState(model)
         state.extend(_tokens(model, prefix, first=True, what="prefix text"))
+        t1 = time.perf_counter()
         ids = _tokens(model, text, first=False, what="continuation text")
         logits = state.extend(ids)
-        return Continuation(logits, len(state.token_ids) - len(ids), ids, time.perf_counter() - t0)
+        return Continuation(logits, len(state.token_ids) - len(ids), ids, time.perf_counter() - t0, t1 - t0)
 
 
 #: Why ``greedy_decode`` ended: the model's EOS, the caller's ``stop``, the model's window, or the budget.

@@ -3,6 +3,7 @@ refusal of hostile headers."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from kvgraft.engine import KvFileError, deserialize, serialize
+from kvgraft.engine._internal import kvfile
 from kvgraft.engine._internal.kvfile import read_hashed
 from kvgraft.schemas import sha256_bytes
 
@@ -97,6 +99,39 @@ def test_read_hashed_gives_the_files_digest_and_tensors_that_view_its_buffer(tmp
         assert _inside(back[name], buf) == (t[name].numel() > 0), name  # views, not copies
         assert not _inside(copied[name], buf)
 
+
+
+def test_a_file_of_many_chunks_is_read_and_hashed_whole_while_it_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Small chunks so that a small file takes the large file's path: a reader thread, this
+    # thread hashing behind it, an odd-sized last chunk.
+    monkeypatch.setattr(kvfile, "READ_CHUNK", 4096)
+    g = torch.Generator().manual_seed(2)
+    t = {f"layers.{i}.keys": torch.randn(1, 2, 97, 8, generator=g) for i in range(5)}
+    data = serialize(t)
+    assert len(data) > 5 * 4096 and len(data) % 4096
+    (tmp_path / "kv.safetensors").write_bytes(data)
+    buf, digest = read_hashed(tmp_path / "kv.safetensors")
+    assert bytes(buf) == data and digest == sha256_bytes(data)
+    back, _ = deserialize(buf)
+    for name in t:
+        assert torch.equal(back[name], t[name]) and _inside(back[name], buf)
+
+
+@pytest.mark.parametrize("delta", [+5000, -3])
+def test_a_file_whose_size_changes_while_it_is_read_raises_where_it_is_hashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, delta: int
+) -> None:
+    # The reader thread reads as many bytes as the file had when it was opened: a buffer of
+    # another size stands for a file that shrank (longer buffer) or grew (shorter) meanwhile.
+    monkeypatch.setattr(kvfile, "READ_CHUNK", 4096)
+    path = tmp_path / "kv.safetensors"
+    path.write_bytes(bytes(range(256)) * 64)  # 16,384 bytes
+    buf = memoryview(bytearray(16384 + delta))
+    with path.open("rb", buffering=0) as f, pytest.raises(KvFileError) as e:
+        kvfile._hash_while_reading(f, buf, None, path, hashlib.sha256())
+    word = "shrank from 21384 to 16384 bytes" if delta > 0 else "grew past 16381 bytes"
+    assert f"{path} {word} while it was read" in e.value.message
+    assert "read it again once it is complete" in (e.value.hint or "")
 
 def test_a_misaligned_tensor_in_a_handed_over_buffer_is_copied_not_viewed() -> None:
     # A header a byte longer than the 8-byte padding leaves every F32 tensor at an odd address.

@@ -13,7 +13,18 @@ from typing import Any
 import pytest
 import torch
 
-from kvgraft.engine import KVState, LoadedArtifact, LoadedModel, applied, capture, generate, load_artifact, trust_signer
+from kvgraft.engine import (
+    KVState,
+    LoadedArtifact,
+    LoadedModel,
+    applied,
+    capture,
+    fresh,
+    generate,
+    graft,
+    load_artifact,
+    trust_signer,
+)
 from kvgraft.engine._internal.kvstate import KVBatch, _rotation
 from kvgraft.engine._internal.ops import Decoded, DecodeJob, continue_from, decode_batch, greedy_decode
 from kvgraft.engine.kernels import rerotate, rerotate_reference, triton_available
@@ -231,3 +242,15 @@ def test_decode_batch_under_the_sdpa_profile_answers_as_each_row_alone(tiny: Loa
     got: dict[int, Decoded] = {}
     decode_batch(tiny, sdpa, jobs, batch=4, on_done=lambda i, d: got.__setitem__(i, d))
     assert [got[i] for i in range(len(jobs))] == alone
+
+
+def test_a_continuation_says_how_long_its_prefix_state_and_its_pass_took(
+    tiny: LoadedModel, profile: DeterminismProfile, artifact: LoadedArtifact
+) -> None:
+    # bench/ttft.py reads where a graft's time went from here, not from a copy of its steps.
+    grafted = graft(tiny, profile, artifact, " jumps over")
+    recomputed = fresh(tiny, profile, PROMPT, " jumps over")
+    for c in (grafted, recomputed):
+        assert 0 < c.state_seconds < c.seconds
+        assert c.pass_seconds == c.seconds - c.state_seconds > 0
+    assert torch.equal(grafted.logits, recomputed.logits)
