@@ -11,7 +11,8 @@ the logits of the question's last position exist, measured side by side in one p
   artifacts ending at each length (256, then +768, +1K, +2K, +4K), as a library stores it; once
   per profile of ``--profiles`` (the first is ``graft``, the others ``graft[NAME]``, each with
   its own chain: ``cpu-fp32-sdpa`` the default, fast attention; ``cpu-fp32-sdpa-kv16`` it on the
-  half-size cache; ``cpu-fp32`` the eager profile that was the default before issue 16);
+  half-size cache; ``cpu-bf16-sdpa`` bfloat16 weights and cache, the profile that races llama.cpp;
+  ``cpu-fp32`` the eager profile that was the default before issue 16);
 - ``llama.cpp restore``: llama.cpp's own state file (``llama_state_save_file`` /
   ``llama_state_load_file`` through llama-cpp-python) on the same GGUF file, then the question;
 - ``llama.cpp recompute``: llama.cpp evaluating prefix + question from an empty context.
@@ -21,7 +22,7 @@ every profile: graft at least 30x faster than recompute at 4K and growing with l
 slower than llama.cpp's restore at any length; artifact bytes at most llama.cpp's f16 state.
 
     .venv/bin/python bench/ttft.py [--runs 3] [--lengths 256 1024 2048 4096 8160]
-        [--profiles cpu-fp32-sdpa cpu-fp32-sdpa-kv16 cpu-fp32 cpu-fp32-kv16]
+        [--profiles cpu-fp32-sdpa cpu-fp32-sdpa-kv16 cpu-bf16-sdpa cpu-fp32]
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from kvgraft.engine import (
     KV_FILE,
     cache_dir,
     capture,
+    compute_dtype,
     current_profile,
     ensure_local_key,
     graft,
@@ -134,13 +136,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2,
                     help="threads for every method (2 is the profile's own; 1 is steadier on a machine others load)")
     ap.add_argument("--skip-llama-recompute", action="store_true", help="leave out llama.cpp's own recompute (not a target)")
-    ap.add_argument("--profiles", nargs="+", default=[DEFAULT_PROFILE, "cpu-fp32-sdpa-kv16", "cpu-fp32", "cpu-fp32-kv16"],
+    ap.add_argument("--profiles", nargs="+", default=[DEFAULT_PROFILE, "cpu-fp32-sdpa-kv16", "cpu-bf16-sdpa", "cpu-fp32"],
                     help="the graft's profiles, side by side (the first is reported as 'graft')")
     args = ap.parse_args()
     spec = spec_for(MODEL)
     model = load_model(MODEL)
     profiles = [current_profile(name) for name in args.profiles]
     profiles = [p if p.threads == args.threads else p.model_copy(update={"threads": args.threads}) for p in profiles]
+    # A profile that computes in another dtype rounds the loaded weights in place: one model each.
+    models = {dtype: model if dtype == torch.float32 else load_model(MODEL) for dtype in {compute_dtype(p) for p in profiles}}
+    model_of = {p.name: models[compute_dtype(p)] for p in profiles}
     graft_keys = ["graft", *(f"graft[{p.name}]" for p in profiles[1:])]
     q_ids = model.tokenizer.encode(QUESTION, first=False)
 
@@ -159,14 +164,14 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvgraft-bench-ttft-") as tmp:
         work = Path(tmp)
-        chains = {key: build_chain(model, p, args.lengths, work / key) for key, p in zip(graft_keys, profiles, strict=True)}
+        chains = {key: build_chain(model_of[p.name], p, args.lengths, work / key) for key, p in zip(graft_keys, profiles, strict=True)}
         # The normal graft path verifies the chain's signatures: here against the key that made it.
         trusted = trust_signer(ensure_local_key()[0])
         for length in args.lengths:
             kv_bytes: dict[str, int] = {}
             prefix = []
             for key, p in zip(graft_keys, profiles, strict=True):
-                art = load_artifact(chains[key][length], model, p, trusted=trusted)
+                art = load_artifact(chains[key][length], model_of[p.name], p, trusted=trusted)
                 if prefix and chain_ids(art) != prefix:
                     raise SystemExit(f"the {p.name} chain holds other tokens than the {profiles[0].name} chain")
                 prefix = chain_ids(art)
@@ -195,11 +200,11 @@ def main() -> None:
                 for key, p in zip(graft_keys, profiles, strict=True):
                     # graft from the local store, digests checked
                     t0 = time.perf_counter()
-                    art = load_artifact(chains[key][length], model, p, trusted=trusted)
+                    art = load_artifact(chains[key][length], model_of[p.name], p, trusted=trusted)
                     t1 = time.perf_counter()
                     # Only the last position's logits: the first token needs no more (recompute
                     # keeps one too, llama.cpp computes one by default).
-                    cont = graft(model, p, art, QUESTION, keep_last=1)
+                    cont = graft(model_of[p.name], p, art, QUESTION, keep_last=1)
                     runs[key].append(time.perf_counter() - t0)
                     # Where the time went: load_artifact, then graft's restore and pass.
                     phase_runs[key]["load"].append(t1 - t0)

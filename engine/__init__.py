@@ -80,6 +80,7 @@ from ._internal.profiles import (
     PROFILE_ALIASES,
     PROFILES,
     applied,
+    compute_dtype,
     cpu_description,
     current_profile,
     require_same,
@@ -112,5 +113,5 @@ __all__ = [
     "EvalRun", "clean_solution", "read_meta", "run_eval", "run_exactness", "run_replay", "select", "summary_table",
     "write_pre_registration", "Wheel", "install", "install_hint",
     "ContextWindowError", "EngineServerConfigError", "EngineServerError", "NOTHING_GRAFTED", "ServeConfig", "ServeSettings",
-    "ask_model", "create_engine_app", "ISA_LEVELS", "cpu_description", "lookup_all", "serve_engine", "ProblemIndex", "worked_solution", "journal_path", "read_index", "require_library_match", "MAX_INDEX_LINE_BYTES",
+    "ask_model", "create_engine_app", "ISA_LEVELS", "compute_dtype", "cpu_description", "lookup_all", "serve_engine", "ProblemIndex", "worked_solution", "journal_path", "read_index", "require_library_match", "MAX_INDEX_LINE_BYTES",
 ]

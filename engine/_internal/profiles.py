@@ -127,6 +127,13 @@ PROFILES: dict[str, ProfileSettings] = {
     # Both: the fast attention on the half-size cache.
     "cpu-fp32-sdpa-kv16": ProfileSettings(exactness="own-position", threads=2, attention_implementation=fast_attention.ATTENTION_NAME,
                                           matmul_tiling="default", kv_dtype="float16"),
+    # The CPU profile that races llama.cpp: bfloat16 weights, cache and arithmetic (the CPU's
+    # bfloat16 dot products where it has them, half the bytes of weights and cache to read) and
+    # SDPA on the grouped heads; own-position exact, as cpu-fp32-sdpa is. Rounding the weights to
+    # bfloat16 makes it another model's numbers than the float32 profiles' (llama.cpp rounds its
+    # activations to 8 bits for the same reason): an artifact grafts exactly only within it.
+    "cpu-bf16-sdpa": ProfileSettings(exactness="own-position", threads=2, attention_implementation=fast_attention.ATTENTION_NAME,
+                                     matmul_tiling="default", dtype="bfloat16", kv_dtype="bfloat16"),
     # Machine-independent within a level: the level pinned, not the CPU model (see the module docstring).
     **{f"cpu-fp32-{level}": ProfileSettings(exactness="own-position", threads=2, attention_implementation="eager",
                                             matmul_tiling="default", isa_level=level) for level in ISA_LEVELS},
@@ -151,6 +158,7 @@ PROFILE_ALIASES: dict[str, str] = {
     "invariant": "cpu-fp32-invariant", "default": DEFAULT_PROFILE, "eager": "cpu-fp32", "kv16": "cpu-fp32-kv16",
     "sdpa": "cpu-fp32-sdpa",
     "sdpa-kv16": "cpu-fp32-sdpa-kv16",
+    "bf16": "cpu-bf16-sdpa",
 }
 #: The storage dtypes a cache may have, by the name a profile's ``dtype`` gives them.
 KV_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

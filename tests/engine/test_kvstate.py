@@ -34,7 +34,7 @@ def _decode(state: KVState, ids: list[int], steps: int) -> tuple[torch.Tensor, l
 
 
 @pytest.mark.parametrize("name", ["tiny-llama-test", pytest.param("smollm2-135m", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("profile_name", ["cpu-fp32-sdpa", "cpu-fp32", "cpu-fp32-sdpa-kv16"])
+@pytest.mark.parametrize("profile_name", ["cpu-fp32-sdpa", "cpu-fp32", "cpu-fp32-sdpa-kv16", "cpu-bf16-sdpa"])
 def test_in_place_appends_give_the_bits_of_concatenation(name: str, profile_name: str) -> None:
     model = load_model(name)
     ids = model.tokenizer.encode(TEXT, first=True)
@@ -76,8 +76,11 @@ def test_export_then_extend_leaves_the_exported_tensors_as_they_were(tiny: Loade
     assert all(torch.equal(exported[k], before[k]) for k in before)
 
 
-@pytest.mark.parametrize("profile_name", ["cpu-fp32-sdpa", "cpu-fp32-sdpa-kv16"])
-def test_restore_gathers_into_buffers_with_room(tiny: LoadedModel, profile_name: str) -> None:
+@pytest.mark.parametrize(("profile_name", "dtype"), [
+    ("cpu-fp32-sdpa", torch.float32), ("cpu-fp32-sdpa-kv16", torch.float32), ("cpu-bf16-sdpa", torch.bfloat16)])
+def test_restore_gathers_into_buffers_with_room(profile_name: str, dtype: torch.dtype) -> None:
+    # A model of its own: a bfloat16 profile rounds the loaded weights in place.
+    tiny = load_model("tiny-llama-test")
     ids = tiny.tokenizer.encode(TEXT, first=True)
     with applied(current_profile(profile_name)):
         source = KVState(tiny)
@@ -85,7 +88,8 @@ def test_restore_gathers_into_buffers_with_room(tiny: LoadedModel, profile_name:
         restored = KVState.restore(tiny, [Segment(source.export(0), 0, 30, tuple(ids[:30]))])
         layers = [layer for layer in restored.cache.layers if not isinstance(layer, DynamicSlidingWindowLayer)]
         pointers = [layer.keys.data_ptr() for layer in layers]
-        assert all(layer.keys.dtype == torch.float32 for layer in layers)
+        # The cache holds the compute dtype, whatever the profile stores.
+        assert all(layer.keys.dtype == dtype for layer in layers)
         got = restored.extend(ids[30:])
         expected = source.extend(ids[30:])
     assert torch.equal(got, expected)

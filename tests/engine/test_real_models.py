@@ -177,6 +177,21 @@ def test_kv16_graft_equals_fresh_on_smollm2_and_past_gemma3s_sliding_window(
     assert _exact(gemma3, kv16, key, tmp_path / "g", _text_of_tokens(gemma3, 560), "\n\nQuestion: How many apples") == 560
 
 
+
+def test_bf16_graft_equals_fresh_on_smollm2_and_past_gemma3s_sliding_window(key: Path, tmp_path: Path) -> None:
+    from kvgraft.engine import current_profile
+
+    bf16 = current_profile("bf16")
+    # Models of their own: the profile rounds the loaded weights to bfloat16 in place, which the
+    # session's float32 models must not see.
+    smollm2, gemma3 = load_model("smollm2-135m"), load_model("gemma3-270m")
+    _exact(smollm2, bf16, key, tmp_path / "s", _text_of_tokens(smollm2, 300), "\n\nQuestion: How many apples")
+    assert _exact(gemma3, bf16, key, tmp_path / "g", _text_of_tokens(gemma3, 560), "\n\nQuestion: How many apples") == 560
+    assert next(smollm2.module.parameters()).dtype == torch.bfloat16
+    # The artifact is half the float32 profile's: bfloat16 keys and values.
+    art = load_artifact(tmp_path / "s" / "a", smollm2, bf16, trusted=trust_signer(key))
+    assert {t.dtype for n, t in art.segments()[-1].tensors.items() if n.endswith(("keys", "values"))} == {torch.bfloat16}
+
 def test_sdpa_graft_equals_fresh_on_smollm2_and_past_gemma3s_sliding_window(
     smollm2: LoadedModel, gemma3: LoadedModel, key: Path, tmp_path: Path
 ) -> None:
