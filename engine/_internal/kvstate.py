@@ -363,28 +363,27 @@ def _buffer(layer: DynamicLayer, part: str, shape: tuple[int, ...], dtype: torch
     return buffer[:, :, :n]  # [B, h, n + ROOM, d] -> [B, h, n, d]
 
 
-def _held(layer: DynamicLayer, part: str, t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` ``[B, h, n, d]`` at the start of a new buffer (``_buffer``)."""
-    view = _buffer(layer, part, tuple(t.shape), t.dtype, t.device)
-    view.copy_(t)
-    return view
-
-
 def _appended(layer: DynamicLayer, part: str, new: torch.Tensor) -> torch.Tensor:
     """The layer's ``part`` followed by ``new`` along positions: ``[B, h, n, d]`` + ``[B, h, q, d]``
-    -> ``[B, h, n + q, d]``, written into the room past ``n`` when the buffer has it."""
+    -> ``[B, h, n + q, d]``, written into the room past ``n`` when the buffer has it, else both
+    copied once into a new buffer with room (``_buffer``)."""
     held: torch.Tensor = getattr(layer, part)
+    # A layer nothing has entered yet holds an empty placeholder, not a [B, h, 0, d] tensor.
+    started = held.dim() == 4
+    n, q = (held.shape[-2] if started else 0), new.shape[-2]
     buffer: torch.Tensor | None = layer.__dict__.get(f"_room_{part}")
-    n, q = (held.shape[-2] if held.dim() == 4 else 0), new.shape[-2]
-    if buffer is None or not (
-        held.dim() == 4 and buffer.dtype == new.dtype
+    if (
+        buffer is not None and started and buffer.dtype == new.dtype
         and held.data_ptr() == buffer.data_ptr() and held.stride() == buffer.stride()
         and held.shape[:2] == new.shape[:2] == buffer.shape[:2] and n + q <= buffer.shape[2]
     ):
-        full = torch.cat([held, new], dim=-2) if held.dim() == 4 else new  # [B, h, n + q, d]
-        return _held(layer, part, full)
-    buffer[:, :, n:n + q] = new
-    return buffer[:, :, :n + q]  # [B, h, capacity, d] -> [B, h, n + q, d]
+        buffer[:, :, n:n + q] = new
+        return buffer[:, :, :n + q]  # [B, h, capacity, d] -> [B, h, n + q, d]
+    b, h, _, d = new.shape
+    dtype = torch.promote_types(held.dtype, new.dtype) if started else new.dtype
+    view = _buffer(layer, part, (b, h, n + q, d), dtype, new.device)
+    # torch.cat checks the shapes agree and writes straight into the view: one copy of each.
+    return torch.cat([held, new], dim=-2, out=view) if started else view.copy_(new)
 
 
 class _RoundedLayer(_GrowingLayer):
