@@ -125,7 +125,7 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         padded = rows.contiguous()
     a = padded.view(tiles, t, k)  # [tiles * T, K] -> [tiles, T, K]
     out = rows.new_empty(tiles, t, n)
-    with _one_gemm_per_thread(tiles):
+    with _threads_at_most(tiles):
         for c in range(0, n, settings.column_block):
             w = weight[c:c + settings.column_block]  # [N_c, K]
             # One batched call of `tiles` identical-shape GEMMs; expand shares the slice, no copy.
@@ -138,21 +138,23 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 @contextlib.contextmanager
-def _one_gemm_per_thread(gemms: int) -> Iterator[None]:
-    """Run a batch of ``gemms`` GEMMs on at most ``gemms`` threads.
+def _threads_at_most(n: int) -> Iterator[None]:
+    """The span on at most ``n`` threads (at least one); the count before comes back after.
 
-    With fewer GEMMs than threads, MKL may share one GEMM between threads, and how it cuts it
-    (along K too, which changes the sum order) is its own choice, not promised to match the
-    one-thread result. That happens only in a multi-tile pass that keeps few rows (the lm head of
-    ``keep_last <= tile`` after a long prefill), and a token's row must not depend on it: CI
-    once saw Qwen2.5's greedy decode (one thread) differ from its 44-token prefill keeping 5
-    rows (two threads, one lm-head tile). The batch's GEMMs are whole per thread otherwise.
+    The invariant kernels' one thread rule: no unit of fixed shape is shared between threads,
+    since how a library cuts one GEMM between threads (along K too, which changes the sum order)
+    is its own choice, not promised to match the one-thread result. So a batch of ``gemms``
+    GEMMs runs on at most ``gemms`` threads (``tiled_linear``: a multi-tile pass keeping few rows,
+    the lm head of ``keep_last <= tile`` after a long prefill; CI once saw Qwen2.5's greedy decode,
+    one thread, differ from its 44-token prefill keeping 5 rows, two threads, one lm-head tile),
+    and a pass of at most one tile runs on one (``scoped_call``: a decode step, whose activations
+    and attention are too small to share as well). The bits never depend on the thread count.
     """
     threads = torch.get_num_threads()
-    if gemms >= threads:
+    if n >= threads:
         yield
         return
-    torch.set_num_threads(max(1, gemms))
+    torch.set_num_threads(max(1, n))
     try:
         yield
     finally:
@@ -410,9 +412,8 @@ def scoped_call(module: PreTrainedModel, start: int, rows: int) -> Iterator[dict
 
     Under the invariant kernels, the model's config names ``kvgraft_invariant`` for the span and
     the yielded keyword arguments (to pass to the forward) carry ``start``; a pass of at most one
-    tile of rows (a decode step) runs on one thread, since its GEMMs are too small to share and
-    the bits do not depend on the thread count. Otherwise this yields no arguments and changes
-    nothing.
+    tile of rows (a decode step) runs on one thread (``_threads_at_most``). Otherwise this yields
+    no arguments and changes nothing.
     """
     settings = active()
     if settings is None:
@@ -420,13 +421,9 @@ def scoped_call(module: PreTrainedModel, start: int, rows: int) -> Iterator[dict
         return
     config = module.config
     previous = config._attn_implementation
-    threads = torch.get_num_threads()
     config._attn_implementation = ATTENTION_NAME
-    if rows <= settings.tile and threads > 1:
-        torch.set_num_threads(1)
     try:
-        yield {QUERY_START_KWARG: start}
+        with _threads_at_most(1 if rows <= settings.tile else torch.get_num_threads()):
+            yield {QUERY_START_KWARG: start}
     finally:
         config._attn_implementation = previous
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
