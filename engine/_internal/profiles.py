@@ -6,10 +6,11 @@ the span of a ``with`` block and restores the previous settings on exit; ``requi
 refuses a graft whose profile differs, naming every differing field.
 
 A profile's ``dtype`` names the weights' dtype and, when the cache stores another, the cache's:
-``float32`` (both float32) or ``float32+kv-float16`` (float32 weights and arithmetic; every key
+``float32`` (both float32), ``float32+kv-float16`` (float32 weights and arithmetic; every key
 and value rounded to float16 as it enters the cache, during capture, fresh computation and graft
 alike, so artifacts hold half the bytes and a graft still equals its fresh computation bit for
-bit within the profile).
+bit within the profile) or ``bfloat16`` (weights, arithmetic and cache: ``cpu-bf16-sdpa`` and
+the CUDA profiles; the loaded float32 weights are rounded once, in place, by ``placed``).
 
 An instruction-set-level profile (``cpu-fp32-x86-64-v3``, ``-v4``) pins the level every math
 library torch calls dispatches to, not the CPU's model name: ATen's vector kernels
