@@ -282,15 +282,15 @@ def check_finite(tensors: dict[str, torch.Tensor], start: int, end: int, where: 
     """
     for name in sorted(tensors):
         t = tensors[name]
-        # One pass: a NaN or Inf anywhere makes the sum non-finite; only then look for where.
-        # Half types sum in float32: in their own type a sum of a few thousand keys overflows,
-        # and every overflow costs the full search below.
-        if not t.is_floating_point() or bool(torch.isfinite(t.sum(dtype=torch.float32 if t.element_size() < 4 else t.dtype))):
+        if not t.is_floating_point() or t.numel() == 0:
             continue
-        bad = (~torch.isfinite(t)).nonzero()
-        if len(bad) == 0:
-            continue  # the sum overflowed; every element is finite
-        index = tuple(int(x) for x in bad[0])
+        # One pass in the tensor's own dtype: a NaN makes both extremes NaN (aminmax propagates
+        # it) and an infinity is an extreme; only then look for where. (A float32 sum of a
+        # half-precision tensor converted every element first: 3x slower on bfloat16.)
+        low, high = torch.aminmax(t)
+        if bool(torch.isfinite(low) & torch.isfinite(high)):
+            continue
+        index = tuple(int(x) for x in (~torch.isfinite(t)).nonzero()[0])
         value = float(t[index])
         where_at = f"index {list(index)}"
         if t.dim() == 4:

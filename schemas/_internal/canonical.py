@@ -7,6 +7,7 @@ bytes as received and never re-serialize; producers serialize exactly once, here
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import rfc8785
@@ -19,8 +20,17 @@ from .errors import CanonicalizationError, DocumentError
 MAX_DEPTH = 64
 
 
+#: RFC 8785 writes an integer as its decimal digits only within I-JSON's exact range.
+_SAFE_INTEGER = 2**53 - 1
+
+
 def canonical_json(value: Any) -> bytes:
     """Serialize a JSON value (dicts, lists, str, int, float, bool, None) per RFC 8785."""
+    if type(value) is list and all(type(x) is int and -_SAFE_INTEGER <= x <= _SAFE_INTEGER for x in value):
+        # A list of integers (a chain's token ids, hashed on every load): its canonical form is
+        # the digits joined by commas, written here without the general serializer's per-value
+        # work (13 ms for 4,096 ids). Equal to rfc8785.dumps, tested.
+        return ("[" + ",".join(map(str, value)) + "]").encode("ascii")
     try:
         return rfc8785.dumps(value)
     except rfc8785.CanonicalizationError as e:
@@ -47,16 +57,26 @@ def _reject_constant(name: str) -> Any:
     raise DocumentError(f"{name} is not valid JSON")
 
 
+#: The characters that can change ``_depth_ok``'s state.
+_DEPTH_SPECIAL = re.compile(r'["\\\[\]{}]')
+
+
 def _depth_ok(text: str) -> bool:
+    """Whether no array or object in ``text`` nests deeper than ``MAX_DEPTH``, brackets inside
+    strings not counted. Visits only quotes, backslashes and brackets (a statement of 4,096
+    token ids is mostly digits); the character after a backslash inside a string is skipped,
+    whatever it is."""
     depth = 0
     in_string = False
-    escaped = False
-    for ch in text:
+    skip = -1
+    for m in _DEPTH_SPECIAL.finditer(text):
+        i = m.start()
+        if i == skip:
+            continue
+        ch = text[i]
         if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
+            if ch == "\\":
+                skip = i + 1
             elif ch == '"':
                 in_string = False
         elif ch == '"':

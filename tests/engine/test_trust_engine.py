@@ -378,6 +378,22 @@ def test_graft_refuses_nan_or_inf_tensors_naming_the_tensor_and_position(
     assert f"tensor layers.1.values holds {bad} at position 7 (index [0, 1, 7, 3]); KV state must be finite" in err
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_finite_check_finds_nan_and_inf_in_every_stored_dtype_and_passes_the_largest_finite_values(dtype: torch.dtype) -> None:
+    from kvgraft.engine import UnsafeTensorError
+    from kvgraft.engine._internal.artifacts import check_finite
+
+    # Values whose sum overflows any float type are still finite: no refusal, no false alarm.
+    big = torch.full((1, 2, 9, 4), torch.finfo(dtype).max, dtype=dtype)
+    check_finite({"layers.0.keys": big, "layers.0.values": -big, "layers.0.empty": big[:, :, :0]}, 10, 19, "artifact a")
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = big.clone()
+        t[0, 1, 7, 3] = bad
+        with pytest.raises(UnsafeTensorError) as e:
+            check_finite({"layers.0.keys": big, "layers.0.values": t}, 10, 19, "artifact a")
+        assert f"artifact a: tensor layers.0.values holds {bad} at position 17 (index [0, 1, 7, 3])" in e.value.message
+
 def test_graft_refuses_token_ids_outside_the_vocabulary_naming_the_position(
     tmp_path: Path, key: Path, trust_file: Path, texts: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import io
 import json
+import random
 from pathlib import Path
 
 import pytest
+import rfc8785
 
 from kvgraft.schemas import (
     KV_ARTIFACT_PREDICATE,
@@ -25,6 +27,7 @@ from kvgraft.schemas import (
     sha256_file,
     sha256_stream,
 )
+from kvgraft.schemas._internal import canonical
 
 from .fixtures import kv_artifact_statement
 
@@ -69,7 +72,7 @@ def test_canonical_json_follows_rfc8785() -> None:
     assert canonical_json(value) == '{"A":true,"a":"€","b":[1e+21,1.5,0,10],"é":null}'.encode()
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), 2**64, {1: "x"}])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 2**64, {1: "x"}, [2**53, 7], [-(2**53)]])
 def test_canonical_json_refuses_what_it_cannot_represent(value: object) -> None:
     with pytest.raises(CanonicalizationError, match="cannot write canonical JSON"):
         canonical_json(value)
@@ -121,3 +124,42 @@ def test_invalid_artifact_statements_name_the_field(mutate, message: str) -> Non
 def test_duplicate_keys_are_refused() -> None:
     with pytest.raises(DocumentError, match="duplicate key '_type'"):
         parse_statement(b'{"_type": "a", "_type": "b"}')
+
+
+@pytest.mark.parametrize("ids", [[], [0], [5, -3, 49151], [2**53 - 1, -(2**53 - 1)], [True, 1], [7, 1.5], list(range(4096))])
+def test_canonical_json_of_a_list_of_integers_is_rfc8785s(ids: list[int]) -> None:
+    # The token-id fast path (digits joined by commas) and the general serializer agree,
+    # including where the fast path hands over (a bool, a float; past 2**53 - 1 both refuse).
+    assert canonical_json(ids) == rfc8785.dumps(ids)
+
+
+def _depth_by_every_character(text: str, limit: int) -> bool:
+    """The plain statement of the depth rule: one character at a time."""
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return False
+        elif ch in "]}":
+            depth -= 1
+    return True
+
+
+def test_depth_check_visiting_only_special_characters_agrees_with_visiting_every_one() -> None:
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice('[[{{]}"\\\\ax1,') for _ in range(rng.randint(0, 160)))
+        assert canonical._depth_ok(text) == _depth_by_every_character(text, canonical.MAX_DEPTH), text
+    # Brackets inside strings (escaped quotes and backslashes included) never count.
+    assert canonical._depth_ok('["' + "[" * 100 + '\\"\\\\' + "{" * 100 + '"]')
+    assert not canonical._depth_ok('["\\\\"' + "[" * 64 + "]")
