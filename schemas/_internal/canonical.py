@@ -29,7 +29,7 @@ def canonical_json(value: Any) -> bytes:
     if type(value) is list and all(type(x) is int and -_SAFE_INTEGER <= x <= _SAFE_INTEGER for x in value):
         # A list of integers (a chain's token ids, hashed on every load): its canonical form is
         # the digits joined by commas, written here without the general serializer's per-value
-        # work (13 ms for 4,096 ids). Equal to rfc8785.dumps, tested.
+        # work (4,096 ids: 0.9 ms against 2.6 ms). Equal to rfc8785.dumps, tested.
         return ("[" + ",".join(map(str, value)) + "]").encode("ascii")
     try:
         return rfc8785.dumps(value)
