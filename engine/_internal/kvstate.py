@@ -241,14 +241,10 @@ class KVBatch:
         for mine, theirs in zip(_layers(self.cache), _layers(state.cache), strict=True):
             if theirs.keys is None or theirs.values is None:
                 raise ArtifactError("an empty state cannot join a batch", hint="run its prompt first")
-            keys = _left_pad(theirs.keys, width)  # [1, h, end, d] -> [1, h, width, d]
-            values = _left_pad(theirs.values, width)
-            if rows and mine.keys is not None and mine.values is not None:
-                keys = torch.cat([_left_pad(mine.keys, width), keys])  # [rows, h, width, d] + [1, ...] -> [rows + 1, ...]
-                values = torch.cat([_left_pad(mine.values, width), values])
-            else:
-                mine.lazy_initialization(keys, values)
-            mine.keys, mine.values = keys, values
+            if not rows:
+                mine.lazy_initialization(theirs.keys, theirs.values)
+            for part in ("keys", "values"):
+                setattr(mine, part, _stacked(mine, part, getattr(mine, part) if rows else None, getattr(theirs, part), width))
         row = torch.cat([torch.zeros(width - state.end, dtype=torch.long, device=self.device),
                          torch.ones(state.end, dtype=torch.long, device=self.device)])  # [width]
         self.mask = torch.cat([_left_pad(self.mask, width, dim=1), row[None, :]])  # [rows + 1, width]
@@ -295,6 +291,23 @@ class KVBatch:
         self.mask = mask
         self.ends = [e + 1 for e in self.ends]
         return out.logits[:, -1].to(device="cpu", dtype=torch.float32)  # [rows, 1, vocab] -> [rows, vocab], on the CPU
+
+
+def _stacked(layer: DynamicLayer, part: str, held: torch.Tensor | None, row: torch.Tensor, width: int) -> torch.Tensor:
+    """The batch's ``held`` ``[rows, h, n, d]`` (None: no rows yet) with ``row`` ``[1, h, m, d]``
+    below it, each left-padded with zeros to ``width`` positions: ``[rows + 1, h, width, d]``,
+    written once into a new buffer with room (``_buffer``), so the steps that follow append in
+    place."""
+    rows = 0 if held is None else held.shape[0]
+    _, h, m, d = row.shape
+    out = _buffer(layer, part, (rows + 1, h, width, d), row.dtype, row.device)
+    if held is not None:
+        n = held.shape[2]
+        out[:rows, :, :width - n].zero_()
+        out[:rows, :, width - n:] = held  # [rows, h, n, d] right-aligned
+    out[rows:, :, :width - m].zero_()
+    out[rows:, :, width - m:] = row  # [1, h, m, d] right-aligned
+    return out
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int = -2) -> torch.Tensor:

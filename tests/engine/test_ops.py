@@ -191,8 +191,15 @@ def test_kv_batch_runs_each_row_at_its_own_position(tiny: LoadedModel, profile: 
         for s in states:
             batch.add(s)
         assert batch.mask.shape == (3, max(s.end for s in states)) and batch.ends == [s.end for s in states]
+        # Each row was written once, right-aligned after zeros, into a buffer with room: the
+        # step appends in place.
+        layer = batch.cache.layers[0]
+        first = layer.keys.data_ptr()
+        assert not layer.keys[0, :, : batch.mask.shape[1] - states[0].end].any()
+        assert torch.equal(layer.keys[1, :, batch.mask.shape[1] - states[1].end:], states[1].cache.layers[0].keys[0])
         tokens = [5, 6, 7]
         together = batch.step(tokens)  # [3, vocab]
+        assert layer.keys.data_ptr() == first, "the first step after the rows joined copied the batch's cache"
         alone = torch.cat([s.extend([t]) for s, t in zip(states, tokens, strict=True)])  # [3, vocab]
         torch.testing.assert_close(together, alone, rtol=0, atol=1e-5)
         # The longest row leaves: the columns only it held are dropped, the others run on.
