@@ -81,11 +81,11 @@ def read_hashed(path: Path) -> tuple[memoryview, Sha256Digest]:
     """
     with path.open("rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        memory = _private_memory(size, populate=size <= READ_CHUNK)
+        memory = _private_memory(size)
         buf = memoryview(memory) if memory is not None else memoryview(bytearray())
         h = hashlib.sha256()
         if size <= READ_CHUNK:
-            for start, end in _read_chunks(f, buf, None, path):
+            for start, end in _read_chunks(f, buf, memory, path):
                 h.update(buf[start:end])
         else:
             _hash_while_reading(f, buf, memory, path, h)
@@ -94,8 +94,9 @@ def read_hashed(path: Path) -> tuple[memoryview, Sha256Digest]:
 
 def _read_chunks(f: io.FileIO, buf: memoryview, memory: mmap.mmap | None, path: Path) -> Iterator[tuple[int, int]]:
     """Read ``f`` into ``buf`` (exactly its size) ``READ_CHUNK`` bytes at a time, yielding each
-    chunk's ``[start, end)`` once it is read; ``memory`` given, each chunk's pages are mapped in
-    before it is read (a fresh page faulted in one by one costs microseconds on a VM)."""
+    chunk's ``[start, end)`` once it is read; ``memory`` (``buf``'s mapping, None for an empty
+    file) has each chunk's pages mapped in before it is read (a fresh page faulted in one by one
+    costs microseconds on a VM)."""
     size = len(buf)
     done = 0
     while done < size:
@@ -155,24 +156,21 @@ def _populate(memory: mmap.mmap, start: int, length: int) -> None:
         pass  # an older kernel: the pages fault in as they are read, the same bytes
 
 
-def _private_memory(size: int, *, populate: bool) -> mmap.mmap | None:
-    """``size`` bytes of private anonymous memory (None for 0 bytes), its pages mapped in up
-    front when ``populate``.
+def _private_memory(size: int) -> mmap.mmap | None:
+    """``size`` bytes of private anonymous memory (None for 0 bytes), its pages mapped in later,
+    chunk by chunk, by ``_populate`` as ``read_hashed`` reads into them.
 
     Private, since ``mmap``'s default is shared memory, whose pages cost more to fault in; and
-    populated in one call (``MAP_POPULATE``, or ``_populate`` chunk by chunk as ``read_hashed``
-    reads a large file) rather than one page fault per 4 KiB page as the read first writes it,
-    which on a VM is what a read of a large file spent most of its time on: 94 MB read in 57-68
-    ms into faulted pages, 41-52 ms populated, about 10 ms into pages already mapped (2 cores,
-    AVX-512 EPYC VM). Huge pages (``MADV_HUGEPAGE``) read in 18-28 ms but stalled 400+ ms
-    whenever the kernel had to compact memory first (after a recompute had churned it), so they
-    are not asked for.
+    populated a chunk at a time in one call each rather than one page fault per 4 KiB page as the
+    read first writes it, which on a VM is what a read of a large file spent most of its time on:
+    94 MB read in 57-68 ms into faulted pages, 41-52 ms populated, about 10 ms into pages already
+    mapped (2 cores, AVX-512 EPYC VM). Huge pages (``MADV_HUGEPAGE``) read in 18-28 ms but stalled
+    400+ ms whenever the kernel had to compact memory first (after a recompute had churned it),
+    so they are not asked for.
     """
     if not size:
         return None
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    if populate:
-        flags |= getattr(mmap, "MAP_POPULATE", 0)
     return mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)
 
 
