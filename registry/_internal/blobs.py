@@ -769,7 +769,8 @@ def _read_hashed(f: BlobReader, n: int, h: hashlib._Hash) -> bytes:
 
 
 def _first_error(group: BaseExceptionGroup) -> BaseException:
-    """The error a task group stopped for: the first one that is not the cancellation it caused."""
+    """The error a task group stopped for: the first one that is not a consequence of it (the
+    cancellation it caused, or a send into the stream the failed task closed)."""
     leaves: list[BaseException] = []
 
     def walk(g: BaseExceptionGroup) -> None:
@@ -780,8 +781,8 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
                 leaves.append(e)
 
     walk(group)
-    cancelled = anyio.get_cancelled_exc_class()
-    return next((e for e in leaves if not isinstance(e, cancelled)), leaves[0])
+    consequences = (anyio.get_cancelled_exc_class(), anyio.BrokenResourceError)
+    return next((e for e in leaves if not isinstance(e, consequences)), leaves[0])
 
 
 async def upload_batches(chunks: AsyncIterable[bytes], max_bytes: int) -> AsyncIterator[list[bytes]]:

@@ -347,3 +347,21 @@ def test_if_none_match_parsing() -> None:
     assert not none_match('"a,b"', '"b"')
     assert none_match("*", '"x"')
     assert not none_match(None, '"x"')
+
+
+def test_full_disk_during_a_pipelined_upload_is_the_error_raised_not_the_closed_stream_regression() -> None:
+    # A full-disk run of make test answered 500, not 507: the store task failed on the disk and
+    # closed its stream, the receiving task's send then raised BrokenResourceError, and that
+    # consequence was picked as the upload's error.
+    import anyio
+
+    from kvgraft.registry._internal.blobs import _first_error
+
+    disk_full = OSError(28, "No space left on device")
+    alone = anyio.BrokenResourceError()
+
+    async def pick() -> tuple[BaseException, BaseException]:  # the cancellation class is the running loop's
+        group = BaseExceptionGroup("upload", [anyio.BrokenResourceError(), BaseExceptionGroup("store", [disk_full])])
+        return _first_error(group), _first_error(BaseExceptionGroup("upload", [alone]))
+
+    assert anyio.run(pick) == (disk_full, alone)
