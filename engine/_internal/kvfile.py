@@ -25,6 +25,7 @@ import torch
 from kvgraft.schemas import Sha256Digest, Sha256Hex, prefixed
 
 from .errors import KvFileError
+from .memory import READ_BUFFERS
 
 _DTYPES: dict[torch.dtype, tuple[str, int]] = {
     torch.float32: ("F32", 4),
@@ -72,31 +73,32 @@ def read_hashed(path: Path) -> tuple[memoryview, Sha256Digest]:
 
     The buffer is private anonymous memory read into directly (``bytes`` would be copied once
     more by ``deserialize``, a zeroed ``bytearray`` written once more before the read): handed
-    to ``deserialize``, its tensors are views of it. A file larger than ``READ_CHUNK`` is read
-    and hashed at once: a thread reads chunk after chunk (mapping each chunk's pages in first)
-    while this one hashes the chunks already read, so the whole costs about the hash alone
-    (``readinto`` and hashlib both release the GIL). The digest is of exactly the bytes in the
-    buffer. Raises ``OSError`` when the file cannot be read, and ``KvFileError`` when it changes
-    size while it is read (the bytes hashed would not be the file's).
+    to ``deserialize``, its tensors are views of it. It comes from ``memory.READ_BUFFERS``: the
+    memory of an earlier read, already mapped in, once nothing views that read's bytes any more
+    (new memory is mapped in chunk by chunk as it is read). A file larger than ``READ_CHUNK`` is
+    read and hashed at once: a thread reads chunk after chunk while this one hashes the chunks
+    already read, so the whole costs about the hash alone (``readinto`` and hashlib both release
+    the GIL). The digest is of exactly the bytes in the buffer. Raises ``OSError`` when the file
+    cannot be read, and ``KvFileError`` when it changes size while it is read (the bytes hashed
+    would not be the file's).
     """
     with path.open("rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        memory = _private_memory(size)
-        buf = memoryview(memory) if memory is not None else memoryview(bytearray())
+        buffer = READ_BUFFERS.take(size)
         h = hashlib.sha256()
         if size <= READ_CHUNK:
-            for start, end in _read_chunks(f, buf, memory, path):
-                h.update(buf[start:end])
+            for start, end in _read_chunks(f, buffer.view, buffer.fresh, path):
+                h.update(buffer.view[start:end])
         else:
-            _hash_while_reading(f, buf, memory, path, h)
-    return buf, prefixed(Sha256Hex(h.hexdigest()))
+            _hash_while_reading(f, buffer.view, buffer.fresh, path, h)
+    return buffer.view, prefixed(Sha256Hex(h.hexdigest()))
 
 
 def _read_chunks(f: io.FileIO, buf: memoryview, memory: mmap.mmap | None, path: Path) -> Iterator[tuple[int, int]]:
     """Read ``f`` into ``buf`` (exactly its size) ``READ_CHUNK`` bytes at a time, yielding each
-    chunk's ``[start, end)`` once it is read; ``memory`` (``buf``'s mapping, None for an empty
-    file) has each chunk's pages mapped in before it is read (a fresh page faulted in one by one
-    costs microseconds on a VM)."""
+    chunk's ``[start, end)`` once it is read; ``memory`` (``buf``'s new mapping, None when its
+    pages are mapped in already) has each chunk's pages mapped in before it is read (a fresh page
+    faulted in one by one costs microseconds on a VM)."""
     size = len(buf)
     done = 0
     while done < size:
@@ -154,24 +156,6 @@ def _populate(memory: mmap.mmap, start: int, length: int) -> None:
         memory.madvise(_MADV_POPULATE_WRITE, start, length)
     except (OSError, ValueError):
         pass  # an older kernel: the pages fault in as they are read, the same bytes
-
-
-def _private_memory(size: int) -> mmap.mmap | None:
-    """``size`` bytes of private anonymous memory (None for 0 bytes), its pages mapped in later,
-    chunk by chunk, by ``_populate`` as ``read_hashed`` reads into them.
-
-    Private, since ``mmap``'s default is shared memory, whose pages cost more to fault in; and
-    populated a chunk at a time in one call each rather than one page fault per 4 KiB page as the
-    read first writes it, which on a VM is what a read of a large file spent most of its time on:
-    94 MB read in 57-68 ms into faulted pages, 41-52 ms populated, about 10 ms into pages already
-    mapped (2 cores, AVX-512 EPYC VM). Huge pages (``MADV_HUGEPAGE``) read in 18-28 ms but stalled
-    400+ ms whenever the kernel had to compact memory first (after a recompute had churned it),
-    so they are not asked for.
-    """
-    if not size:
-        return None
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    return mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)
 
 
 def deserialize(data: bytes | memoryview, *, source: str = "kv file") -> tuple[dict[str, torch.Tensor], dict[str, str]]:

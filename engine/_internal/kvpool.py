@@ -1,9 +1,10 @@
 """The paged KV pool a graft restores into, through the graft kernels (``engine/kernels``).
 
 A restore writes each artifact's keys and values at their own positions into a pool of fixed
-blocks, then reads the layer's positions back out as the dense tensors attention reads. One
-pool per layer, alive only while its layer is restored (so a restore holds at most one layer's
-pool beside the cache), laid out as vLLM lays out its paged cache::
+blocks, then reads the layer's positions back out as the dense tensors attention reads. A pool
+holds one layer at a time: a restore fills it with a layer, reads it out, ``clear``s it and
+fills it with the next (so a restore holds one layer's pool beside the cache, and computes each
+segment's slots once, not once per layer), laid out as vLLM lays out its paged cache::
 
     keys, values   [num_blocks, BLOCK_SIZE, kv_heads, head_dim]   the artifact's stored dtype
     block_table    [num_blocks] int64                               block i of the sequence
@@ -32,7 +33,8 @@ class LayerPool:
     """One layer's paged pool for ``positions`` positions of ``kv_heads`` heads of ``head_dim``.
 
     Blocks are allocated in order (block table ``0, 1, ...``); a position written twice keeps
-    the last write; ``read`` refuses a position nothing wrote.
+    the last write; ``read`` refuses a position nothing wrote since the pool was made or last
+    cleared.
     """
 
     def __init__(
@@ -49,6 +51,20 @@ class LayerPool:
         self.block_table = torch.arange(blocks, dtype=torch.int64, device=device)
         #: Which positions hold a written key and value.
         self._written = torch.zeros(positions, dtype=torch.bool)
+        #: Slot mappings by (start, length): every layer of a restore writes the same spans.
+        self._slots: dict[tuple[int, int], torch.Tensor] = {}
+
+    def clear(self) -> None:
+        """Forget every write (the memory stays, its bytes unread until written again): the
+        pool then takes another layer."""
+        self._written.zero_()
+
+    def slots(self, start: int, n: int) -> torch.Tensor:
+        """The slots of positions ``[start, start + n)`` (``kernels.slot_mapping``, computed once)."""
+        slots = self._slots.get((start, n))
+        if slots is None:
+            slots = self._slots[(start, n)] = slot_mapping(self.block_table, start, n)
+        return slots
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         """Write ``keys``/``values`` ``[1, kv_heads, n, head_dim]`` at positions ``[start, start + n)``."""
@@ -56,7 +72,7 @@ class LayerPool:
         if n < 0 or start < 0 or start + n > self.positions:
             raise ArtifactError(f"keys of shape {tuple(keys.shape)} at position {start} do not fit a pool of "
                                 f"{self.positions} positions", hint="restore segments at their own positions")
-        scatter_kv(keys, values, self.keys, self.values, slot_mapping(self.block_table, start, n), backend=self.backend)
+        scatter_kv(keys, values, self.keys, self.values, self.slots(start, n), backend=self.backend)
         self._written[start:start + n] = True
 
     def read(self, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,4 +83,4 @@ class LayerPool:
             first = int((~self._written).nonzero()[0])
             raise ArtifactError(f"position {first} of the {self.positions} restored was never written",
                                 hint="the chain must cover every position from 0")
-        return gather_kv(self.keys, self.values, slot_mapping(self.block_table, 0, self.positions), out=out, backend=self.backend)
+        return gather_kv(self.keys, self.values, self.slots(0, self.positions), out=out, backend=self.backend)

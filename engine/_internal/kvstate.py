@@ -154,6 +154,9 @@ class KVState:
         _check_chain(model, chain, state.kv_dtype)
         last = chain[-1]
         kv_heads, head_dim = _kv_shape(model)
+        # One pool per layer size (a sliding layer holds its window, a full one the chain), each
+        # cleared and refilled layer after layer.
+        pools: dict[int, LayerPool] = {}
         for i, layer in enumerate(_layers(state.cache)):
             # The layer's restored positions, written into a paged pool through the graft
             # kernels and read back dense (kvpool.py): a sliding layer its held window, a full
@@ -163,7 +166,11 @@ class KVState:
                 parts = [(last.tensors[f"layers.{i}.keys"], last.tensors[f"layers.{i}.values"], 0)]
             else:
                 parts = [(s.tensors[f"layers.{i}.keys"], s.tensors[f"layers.{i}.values"], s.start) for s in chain]
-            pool = LayerPool(sum(k.shape[2] for k, _, _ in parts), kv_heads, head_dim, state.kv_dtype, state.device)
+            positions = sum(k.shape[2] for k, _, _ in parts)
+            pool = pools.get(positions)
+            if pool is None:
+                pool = pools[positions] = LayerPool(positions, kv_heads, head_dim, state.kv_dtype, state.device)
+            pool.clear()
             for keys, values, start in parts:
                 pool.write(keys.to(state.device), values.to(state.device), start)
             # Widened back exactly: the cache holds the compute dtype whatever it stores.
@@ -176,7 +183,6 @@ class KVState:
                 # Straight into the growing layer's buffers, with room for what runs next.
                 reserved = _growing(layer).reserve((1, kv_heads, pool.positions, head_dim), state.compute_dtype, state.device)
                 keys, values = pool.read(out=reserved)
-            del pool
             if shift:
                 # The graft kernels' re-rotation: Triton where it runs, else its torch reference (equal bit for bit).
                 keys.copy_(rerotate(keys, *_rotation(model, i, shift, keys)))  # [1, h, held, d]

@@ -108,3 +108,23 @@ def test_pool_refuses_a_write_past_its_end_and_a_read_of_an_unwritten_position()
     assert e.value.hint == "the chain must cover every position from 0"
     with pytest.raises(ArtifactError, match="is not a size"):
         LayerPool(-1, 2, 8, torch.float32, torch.device("cpu"))
+
+
+def test_a_cleared_pool_takes_the_next_layer_and_refuses_what_only_the_last_layer_wrote() -> None:
+    # A restore refills one pool layer after layer: a position the next layer does not write
+    # must be refused, never read back with the previous layer's values.
+    pool = LayerPool(20, 2, 8, torch.float32, torch.device("cpu"))
+    layer0 = torch.full((1, 2, 20, 8), 1.0), torch.full((1, 2, 20, 8), 2.0)
+    pool.write(*layer0, 0)
+    assert torch.equal(pool.read()[0], layer0[0])
+    pool.clear()
+    layer1 = torch.full((1, 2, 12, 8), 3.0), torch.full((1, 2, 12, 8), 4.0)
+    pool.write(*layer1, 0)
+    with pytest.raises(ArtifactError, match="position 12 of the 20 restored was never written"):
+        pool.read()
+    pool.write(torch.full((1, 2, 8, 8), 5.0), torch.full((1, 2, 8, 8), 6.0), 12)
+    keys, values = pool.read()
+    assert torch.equal(keys[:, :, :12], layer1[0]) and bool((keys[:, :, 12:] == 5.0).all())
+    assert torch.equal(values[:, :, :12], layer1[1]) and bool((values[:, :, 12:] == 6.0).all())
+    # The same span's slots are computed once and reused.
+    assert pool.slots(0, 12) is pool.slots(0, 12)
