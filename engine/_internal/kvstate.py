@@ -270,9 +270,15 @@ class KVBatch:
         mask = self.mask.index_select(0, index)  # [rows, held] -> [kept, held]
         first = int(mask.any(dim=0).nonzero()[0])  # the first column a kept row holds
         for layer in _layers(self.cache):
-            if layer.keys is not None and layer.values is not None:
-                layer.keys = layer.keys.index_select(0, index)[:, :, first:, :]  # [kept, h, held - first, d]
-                layer.values = layer.values.index_select(0, index)[:, :, first:, :]
+            for part in ("keys", "values"):
+                held = getattr(layer, part)
+                if held is None:
+                    continue
+                # The kept rows' kept columns, written once into a buffer with room: the next
+                # step appends in place instead of copying the batch again.
+                columns = held[:, :, first:, :]  # [rows, h, held, d] -> [rows, h, held - first, d]
+                out = _buffer(layer, part, (len(keep), *columns.shape[1:]), columns.dtype, columns.device)
+                setattr(layer, part, torch.index_select(columns, 0, index, out=out))  # [kept, h, held - first, d]
         self.mask = mask[:, first:]
         self.ends = [self.ends[r] for r in keep]
 

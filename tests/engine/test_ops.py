@@ -203,9 +203,14 @@ def test_kv_batch_runs_each_row_at_its_own_position(tiny: LoadedModel, profile: 
         alone = torch.cat([s.extend([t]) for s, t in zip(states, tokens, strict=True)])  # [3, vocab]
         torch.testing.assert_close(together, alone, rtol=0, atol=1e-5)
         # The longest row leaves: the columns only it held are dropped, the others run on.
+        before = layer.keys[:2, :, batch.mask.shape[1] - states[1].end:].clone()
         batch.remove([2])
         assert batch.mask.shape == (2, states[1].end) and bool(batch.mask.all(dim=0).any())
+        assert torch.equal(layer.keys, before)
+        # The kept rows were written once into a buffer with room: the next step appends in place.
+        kept = layer.keys.data_ptr()
         together = batch.step([8, 9])
+        assert layer.keys.data_ptr() == kept, "the first step after rows left copied the batch's cache"
         alone = torch.cat([s.extend([t]) for s, t in zip(states[:2], [8, 9], strict=True)])
         torch.testing.assert_close(together, alone, rtol=0, atol=1e-5)
         batch.remove([0, 1])
