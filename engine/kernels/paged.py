@@ -104,7 +104,9 @@ def gather_kv_reference(
     src_k = flat_k[rows].transpose(0, 1)[None]  # [t, H, d] -> [1, H, t, d]
     src_v = flat_v[rows].transpose(0, 1)[None]
     if out is None:
-        return src_k.contiguous(), src_v.contiguous()
+        # A copy always: with one KV head the slice is already dense, and ``contiguous`` would
+        # hand back a view of the cache, which the cache's next writes would change.
+        return src_k.clone(memory_format=torch.contiguous_format), src_v.clone(memory_format=torch.contiguous_format)
     out[0].copy_(src_k)
     out[1].copy_(src_v)
     return out

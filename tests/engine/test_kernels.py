@@ -289,3 +289,19 @@ def test_gather_refuses_an_output_that_would_lose_bits() -> None:
     short = (torch.empty(1, h, 19, d), torch.empty(1, h, 19, d))
     with pytest.raises(KernelError, match=r"into a \(1, 2, 19, 16\) torch.float32 tensor"):
         gather_kv(kc, vc, slots, out=short)
+
+
+@pytest.mark.parametrize("h", [1, 3])
+def test_gather_of_one_kv_head_returns_new_tensors_not_views_of_the_pool(h: int) -> None:
+    # Regression: with one KV head (Gemma 3 270M) a run of slots is already dense, and the torch
+    # reference returned a view of the cache; a restore that refilled its pool for the next
+    # layer changed the sliding layers' keys under them (graft != fresh on gemma3).
+    keys, values = _kv(h, 8, 32, seed=3)
+    kc, vc = _cache(h, 8, blocks=2)
+    slots = slot_mapping(torch.tensor([0, 1]), 0, 32)
+    scatter_kv(keys, values, kc, vc, slots, backend="torch")
+    k, v = gather_kv(kc, vc, slots, backend="torch")
+    kc.zero_()
+    vc.zero_()
+    assert torch.equal(k, keys) and torch.equal(v, values)
+    assert k.is_contiguous() and v.is_contiguous()
