@@ -40,6 +40,7 @@ from kvgraft.schemas import DeterminismProfile, ExactnessLevel, ModelRef, Sha256
 
 from . import fast_attention, invariant
 from .errors import ProfileMismatchError, UnknownModelError
+from .packed_linear import pack_linears
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -242,6 +243,9 @@ def placed(module: PreTrainedModel) -> PreTrainedModel:
             hint="load the model again (kvgraft.engine.load_model) for a profile of another device or dtype")
     # torch's own Module.to: transformers wraps PreTrainedModel.to in a decorator mypy cannot call.
     torch.nn.Module.to(module, device=device, dtype=dtype)
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        # The same products, bit for bit, without laying each weight out again per call.
+        pack_linears(module)
     return module
 
 

@@ -1,0 +1,63 @@
+"""Packed bfloat16 linear layers: the same products as ``F.linear``, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvgraft.engine import LoadedModel, applied, current_profile, load_model
+from kvgraft.engine._internal.packed_linear import PackedLinear, can_pack, pack_linears
+from kvgraft.engine._internal.profiles import placed
+
+pytestmark = pytest.mark.skipif(not can_pack(), reason="this torch has no oneDNN linear ops")
+
+
+@pytest.fixture
+def own_tiny() -> LoadedModel:
+    """A tiny model of the test's own: these tests round and pack its weights in place."""
+    return load_model("tiny-llama-test")
+
+# The registered models' decoder shapes (smollm2-135m, qwen2.5-coder-0.5b, gemma3-270m's MLP).
+SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (896, 896), (128, 896), (4864, 896), (896, 4864), (2048, 640)]
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_a_packed_linear_equals_f_linear_bit_for_bit_at_every_row_count(out_features: int, in_features: int) -> None:
+    g = torch.Generator().manual_seed(out_features * 7 + in_features)
+    for bias in (False, True):
+        linear = torch.nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+        packed = PackedLinear(linear)
+        assert packed.weight is linear.weight and packed.bias is linear.bias
+        for rows in (1, 3, 16, 20, 64, 255, 1024):
+            x = torch.randn(1, rows, in_features, generator=g).to(torch.bfloat16)  # [B, rows, in]
+            with torch.no_grad():
+                want = torch.nn.functional.linear(x, linear.weight, linear.bias)
+                got = packed(x)
+            assert got.shape == want.shape and torch.equal(got, want), (rows, bias)
+
+
+def test_a_packed_linear_refuses_weights_it_cannot_pack() -> None:
+    with pytest.raises(TypeError, match="only bfloat16 CPU weights are packed, not torch.float32 on cpu"):
+        PackedLinear(torch.nn.Linear(4, 4))
+
+
+def test_the_bf16_profile_packs_every_decoder_linear_but_the_output_embedding(own_tiny: LoadedModel) -> None:
+    module = own_tiny.module
+    linears = sum(isinstance(m, torch.nn.Linear) for m in module.modules())
+    x = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        plain = torch.nn.Module.to(module, dtype=torch.bfloat16)(input_ids=x).logits
+    assert pack_linears(module) == linears - 1
+    assert isinstance(module.get_output_embeddings(), torch.nn.Linear)
+    assert not isinstance(module.get_output_embeddings(), PackedLinear)
+    with torch.no_grad():
+        packed = module(input_ids=x).logits
+    assert torch.equal(packed, plain)
+    # Packed once: a second call finds nothing left to pack.
+    assert pack_linears(module) == 0
+
+
+def test_placing_a_model_under_the_bf16_profile_packs_it(own_tiny: LoadedModel) -> None:
+    with applied(current_profile("cpu-bf16-sdpa")):
+        placed(own_tiny.module)
+    assert any(isinstance(m, PackedLinear) for m in own_tiny.module.modules())
