@@ -311,14 +311,13 @@ def _stacked(layer: DynamicLayer, part: str, held: torch.Tensor | None, row: tor
     written once into a new buffer with room (``_buffer``), so the steps that follow append in
     place."""
     rows = 0 if held is None else held.shape[0]
-    _, h, m, d = row.shape
+    _, h, _, d = row.shape
     out = _buffer(layer, part, (rows + 1, h, width, d), row.dtype, row.device)
-    if held is not None:
-        n = held.shape[2]
-        out[:rows, :, :width - n].zero_()
-        out[:rows, :, width - n:] = held  # [rows, h, n, d] right-aligned
-    out[rows:, :, :width - m].zero_()
-    out[rows:, :, width - m:] = row  # [1, h, m, d] right-aligned
+    for target, source in ((out[:rows], held), (out[rows:], row)):
+        if source is not None:
+            n = source.shape[2]
+            target[:, :, :width - n].zero_()
+            target[:, :, width - n:] = source  # [r, h, n, d] right-aligned after zeros
     return out
 
 
