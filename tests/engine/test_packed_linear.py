@@ -36,20 +36,36 @@ def test_a_packed_linear_equals_f_linear_bit_for_bit_at_every_row_count(out_feat
             assert got.shape == want.shape and torch.equal(got, want), (rows, bias)
 
 
+def test_a_packed_output_embedding_equals_f_linear_bit_for_bit_at_the_rows_a_pass_keeps() -> None:
+    # smollm2-135m's output embedding (49,152 x 576): the largest product a pass makes, of the
+    # few rows it keeps (one for a first token, the continuation's for the exactness experiment).
+    g = torch.Generator().manual_seed(49152)
+    linear = torch.nn.Linear(576, 49152, bias=False).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    for rows in (1, 2, 7, 20, 50):
+        x = torch.randn(1, rows, 576, generator=g).to(torch.bfloat16)  # [B, rows, hidden]
+        with torch.no_grad():
+            want = torch.nn.functional.linear(x, linear.weight)  # [B, rows, vocab]
+            got = packed(x)
+        assert got.shape == want.shape and torch.equal(got, want), rows
+
+
 def test_a_packed_linear_refuses_weights_it_cannot_pack() -> None:
     with pytest.raises(TypeError, match="only bfloat16 CPU weights are packed, not torch.float32 on cpu"):
         PackedLinear(torch.nn.Linear(4, 4))
 
 
-def test_the_bf16_profile_packs_every_decoder_linear_but_the_output_embedding(own_tiny: LoadedModel) -> None:
+def test_the_bf16_profile_packs_every_linear_the_output_embedding_included(own_tiny: LoadedModel) -> None:
     module = own_tiny.module
     linears = sum(isinstance(m, torch.nn.Linear) for m in module.modules())
     x = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
         plain = torch.nn.Module.to(module, dtype=torch.bfloat16)(input_ids=x).logits
-    assert pack_linears(module) == linears - 1
-    assert isinstance(module.get_output_embeddings(), torch.nn.Linear)
-    assert not isinstance(module.get_output_embeddings(), PackedLinear)
+    tied = module.get_input_embeddings().weight is module.get_output_embeddings().weight
+    assert pack_linears(module) == linears
+    assert isinstance(module.get_output_embeddings(), PackedLinear)
+    # A tie stays a tie: the packed layer keeps the layer's own weight parameter.
+    assert (module.get_input_embeddings().weight is module.get_output_embeddings().weight) == tied
     with torch.no_grad():
         packed = module(input_ids=x).logits
     assert torch.equal(packed, plain)
