@@ -17,7 +17,7 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -68,7 +68,7 @@ READ_CHUNK = 8 * 1024 * 1024
 _MADV_POPULATE_WRITE = 23
 
 
-def read_hashed(path: Path) -> tuple[memoryview, Sha256Digest]:
+def read_hashed(path: Path, *, each_chunk: Callable[[memoryview], None] | None = None) -> tuple[memoryview, Sha256Digest]:
     """``path``'s bytes, as a writable buffer the caller owns, and their SHA-256.
 
     The buffer is private anonymous memory read into directly (``bytes`` would be copied once
@@ -81,6 +81,11 @@ def read_hashed(path: Path) -> tuple[memoryview, Sha256Digest]:
     the GIL). The digest is of exactly the bytes in the buffer. Raises ``OSError`` when the file
     cannot be read, and ``KvFileError`` when it changes size while it is read (the bytes hashed
     would not be the file's).
+
+    ``each_chunk``, if given, is called with each chunk of the buffer right after the chunk is
+    hashed, on the hashing thread, while its bytes are still in the CPU's cache: chunks in
+    order, the first at the buffer's first byte, each but the last ``READ_CHUNK`` bytes long.
+    Nothing it learns may be acted on before the caller has compared the digest.
     """
     with path.open("rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
@@ -89,8 +94,10 @@ def read_hashed(path: Path) -> tuple[memoryview, Sha256Digest]:
         if size <= READ_CHUNK:
             for start, end in _read_chunks(f, buffer.view, buffer.fresh, path):
                 h.update(buffer.view[start:end])
+                if each_chunk is not None:
+                    each_chunk(buffer.view[start:end])
         else:
-            _hash_while_reading(f, buffer.view, buffer.fresh, path, h)
+            _hash_while_reading(f, buffer.view, buffer.fresh, path, h, each_chunk)
     return buffer.view, prefixed(Sha256Hex(h.hexdigest()))
 
 
@@ -118,8 +125,12 @@ def _read_chunks(f: io.FileIO, buf: memoryview, memory: mmap.mmap | None, path: 
                           hint="something is writing the file: read it again once it is complete")
 
 
-def _hash_while_reading(f: io.FileIO, buf: memoryview, memory: mmap.mmap | None, path: Path, h: hashlib._Hash) -> None:
-    """``_read_chunks`` on a thread of its own, this one hashing each chunk it hands over.
+def _hash_while_reading(
+    f: io.FileIO, buf: memoryview, memory: mmap.mmap | None, path: Path, h: hashlib._Hash,
+    each_chunk: Callable[[memoryview], None] | None = None,
+) -> None:
+    """``_read_chunks`` on a thread of its own, this one hashing each chunk it hands over (and
+    handing it to ``each_chunk`` after).
 
     The reader stops at the first chunk after ``stop`` is set, so an error here (or an
     interrupt) never leaves it reading into a buffer nobody owns; its own error is raised here.
@@ -144,6 +155,8 @@ def _hash_while_reading(f: io.FileIO, buf: memoryview, memory: mmap.mmap | None,
             if isinstance(item, BaseException):
                 raise item
             h.update(buf[item[0]:item[1]])
+            if each_chunk is not None:
+                each_chunk(buf[item[0]:item[1]])
     finally:
         stop.set()
         reader.join()

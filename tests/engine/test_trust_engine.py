@@ -394,6 +394,75 @@ def test_finite_check_finds_nan_and_inf_in_every_stored_dtype_and_passes_the_lar
             check_finite({"layers.0.keys": big, "layers.0.values": t}, 10, 19, "artifact a")
         assert f"artifact a: tensor layers.0.values holds {bad} at position 17 (index [0, 1, 7, 3])" in e.value.message
 
+def _scanned(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], Any, memoryview]:
+    """``tensors`` written to ``path``, read back through ``read_hashed`` with a ``FiniteScan``:
+    the tensors (views of the buffer read), the scan, the buffer."""
+    from kvgraft.engine import deserialize, serialize
+    from kvgraft.engine._internal.artifacts import FiniteScan
+    from kvgraft.engine._internal.kvfile import read_hashed
+
+    path.write_bytes(serialize(tensors, {"format": "kvgraft-kv-state/v1"}))
+    scan = FiniteScan(dtype)
+    data, _ = read_hashed(path, each_chunk=scan)
+    return deserialize(data)[0], scan, data
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_finite_scan_covers_only_finite_views_of_the_scanned_bytes(tmp_path: Path, dtype: torch.dtype) -> None:
+    from kvgraft.engine._internal.artifacts import check_finite
+
+    g = torch.Generator().manual_seed(3)
+    # Big enough that most tensors lie past the blocks the header shares (a float16 header
+    # reads as infinities: "}" is 0x7D).
+    tensors = {f"layers.{i}.{kind}": torch.randn(1, 2, 600, 8, generator=g).to(dtype) for i in range(3) for kind in ("keys", "values")}
+    loaded, scan, data = _scanned(tmp_path / "kv.safetensors", tensors, dtype)
+    covered = [name for name, t in loaded.items() if scan.covers(t)]
+    assert len(covered) >= len(tensors) - 1, covered  # all but at most the one beside the header
+    check_finite(loaded, 0, 600, "artifact a", scanned=scan)
+    t = loaded["layers.2.values"]
+    assert scan.covers(t)
+    # Not covered: a copy (other memory), another dtype, a view off the element grid.
+    assert not scan.covers(t.clone())
+    assert not scan.covers(t.float() if dtype != torch.float32 else t.double())
+    offset = t.data_ptr() - torch.frombuffer(data, dtype=torch.uint8).data_ptr()
+    assert scan.covers(torch.frombuffer(data, dtype=dtype, count=8, offset=offset))  # the same bytes, on the grid
+    assert not scan.covers(torch.frombuffer(data, dtype=dtype, count=8, offset=offset + 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [4096, 1 << 20])
+def test_finite_scan_marks_the_nan_in_any_chunk_and_check_finite_still_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, chunk: int
+) -> None:
+    # Many chunks (hashed while a thread reads the next) or one: a value that is not finite is
+    # found wherever it is, and the tensor holding it is never covered.
+    from kvgraft.engine import UnsafeTensorError
+    from kvgraft.engine._internal import kvfile
+    from kvgraft.engine._internal.artifacts import check_finite
+
+    monkeypatch.setattr(kvfile, "READ_CHUNK", chunk)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        tensors = {f"layers.{i}.keys": torch.ones(1, 2, 700, 8, dtype=dtype) for i in range(4)}
+        tensors["layers.3.keys"][0, 1, 699, 7] = bad  # the file's last value
+        loaded, scan, _ = _scanned(tmp_path / "kv.safetensors", tensors, dtype)
+        assert not scan.covers(loaded["layers.3.keys"])
+        assert scan.covers(loaded["layers.1.keys"])  # far from the header and from the bad value
+        with pytest.raises(UnsafeTensorError) as e:
+            check_finite(loaded, 0, 700, "artifact a", scanned=scan)
+        assert f"artifact a: tensor layers.3.keys holds {bad} at position 699 (index [0, 1, 699, 7])" in e.value.message
+
+
+def test_a_scan_that_sees_its_chunks_out_of_order_covers_nothing() -> None:
+    from kvgraft.engine._internal.artifacts import FiniteScan
+
+    data = memoryview(bytearray(torch.ones(4096).numpy().tobytes()))  # 16 KiB of finite float32
+    scan = FiniteScan(torch.float32)
+    scan(data[:4096])
+    scan(data[8192:])  # a chunk skipped
+    whole = torch.frombuffer(data, dtype=torch.float32)
+    assert not scan.covers(whole[:1024]) and not scan.covers(whole)
+
+
 def test_graft_refuses_token_ids_outside_the_vocabulary_naming_the_position(
     tmp_path: Path, key: Path, trust_file: Path, texts: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
