@@ -452,6 +452,22 @@ def test_finite_scan_marks_the_nan_in_any_chunk_and_check_finite_still_names_it(
         assert f"artifact a: tensor layers.3.keys holds {bad} at position 699 (index [0, 1, 699, 7])" in e.value.message
 
 
+def test_a_scan_that_marks_too_many_blocks_covers_nothing_and_check_finite_still_names_the_first(tmp_path: Path) -> None:
+    from kvgraft.engine import UnsafeTensorError
+    from kvgraft.engine._internal.artifacts import FiniteScan, check_finite
+
+    tensors = {f"layers.{i}.keys": torch.ones(1, 1, 1024, 8) for i in range(16)}  # 32 KiB each
+    for i in range(16):
+        tensors[f"layers.{i}.keys"][0, 0, :700:128] = float("nan")  # 6 NaNs, 4 KiB apart
+    tensors["z.clean"] = torch.ones(1, 1, 1024, 8)  # last, 2 KiB past the last NaN's block
+    loaded, scan, _ = _scanned(tmp_path / "kv.safetensors", tensors, torch.float32)
+    assert 16 * 6 > FiniteScan.MAX_MARKED
+    assert not any(scan.covers(t) for t in loaded.values())  # z.clean too: the scan gave up
+    with pytest.raises(UnsafeTensorError) as e:
+        check_finite(loaded, 0, 1024, "artifact a", scanned=scan)
+    assert "artifact a: tensor layers.0.keys holds nan at position 0 (index [0, 0, 0, 0])" in e.value.message
+
+
 def test_a_scan_that_sees_its_chunks_out_of_order_covers_nothing() -> None:
     from kvgraft.engine._internal.artifacts import FiniteScan
 
