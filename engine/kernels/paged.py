@@ -10,7 +10,10 @@ bit by construction; the tests check it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from kvgraft.engine._internal.kernel_errors import KernelError
 
@@ -53,22 +56,64 @@ def _check(
         raise KernelError(f"dtype {keys.dtype} does not match the cache's {key_cache.dtype}")
     if slots.dim() != 1 or slots.numel() != keys.shape[2]:
         raise KernelError(f"{slots.numel()} slots for {keys.shape[2]} tokens", hint="compute them with slot_mapping")
-    capacity = key_cache.shape[0] * key_cache.shape[1]
-    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
-        raise KernelError(f"slots run outside the cache's {capacity} slots")
+    _check_range(slots, key_cache)
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise KernelError("the paged cache tensors must be contiguous")
 
 
-def _run_start(slots: torch.Tensor) -> int | None:
-    """``s`` when ``slots`` is the run ``s, s + 1, ..., s + n - 1`` (a sequence whose blocks were
-    allocated in order, as a restore's pool allocates them), else None."""
+def _check_range(slots: torch.Tensor, cache: torch.Tensor) -> None:
+    """Every slot lies in ``cache``'s ``num_blocks * block_size`` slots."""
+    capacity = cache.shape[0] * cache.shape[1]
+    facts = _facts(slots)
+    if facts.low < 0 or facts.high >= capacity:
+        raise KernelError(f"slots run outside the cache's {capacity} slots")
+
+
+@dataclass(frozen=True)
+class _SlotFacts:
+    """What the kernels check of a slot tensor: its least and greatest slot (0 and -1 when
+    empty), and ``run``, ``s`` when the slots are ``s, s + 1, ..., s + n - 1`` (a sequence whose
+    blocks were allocated in order, as a restore's pool allocates them), else None."""
+
+    version: int
+    low: int
+    high: int
+    run: int | None
+
+
+#: Facts by slot tensor (by identity, held weakly), each valid while the tensor's version counter
+#: (bumped by every in-place write) is the one recorded: a restore scatters the same few slot
+#: tensors into every layer, and computing the facts anew (a reduction, an arange, a compare)
+#: cost more than copying a 16-token segment.
+_FACTS = WeakIdKeyDictionary()
+
+
+def _facts(slots: torch.Tensor) -> _SlotFacts:
+    """``slots``' facts, from ``_FACTS`` where its version still matches (an inference tensor
+    has no version counter: its facts are computed every time)."""
+    remembered = not slots.is_inference()
+    version = slots._version if remembered else -1
+    known: _SlotFacts | None = _FACTS.get(slots) if remembered else None
+    if known is not None and known.version == version:
+        return known
     n = slots.numel()
     if n == 0:
-        return None
-    first = int(slots[0])
-    run = torch.arange(first, first + n, dtype=slots.dtype, device=slots.device)
-    return first if torch.equal(slots, run) else None
+        facts = _SlotFacts(version, 0, -1, None)
+    else:
+        low, high = (int(x) for x in torch.aminmax(slots))
+        first = int(slots[0])
+        # A run's ends give it away; only then is the whole of it compared.
+        is_run = low == first and high == first + n - 1 and torch.equal(
+            slots, torch.arange(first, first + n, dtype=slots.dtype, device=slots.device))
+        facts = _SlotFacts(version, low, high, first if is_run else None)
+    if remembered:
+        _FACTS[slots] = facts
+    return facts
+
+
+def _run_start(slots: torch.Tensor) -> int | None:
+    """``s`` when ``slots`` is the run ``s, s + 1, ..., s + n - 1``, else None."""
+    return _facts(slots).run
 
 
 def scatter_kv_reference(
@@ -76,6 +121,13 @@ def scatter_kv_reference(
 ) -> None:
     """Write artifact keys/values ``[1, H, t, d]`` into cache slots ``slots`` (torch)."""
     _check(keys, values, key_cache, value_cache, slots)
+    _scatter_checked(keys, values, key_cache, value_cache, slots)
+
+
+def _scatter_checked(
+    keys: torch.Tensor, values: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """``scatter_kv_reference`` past its checks (``scatter_kv`` made them already)."""
     h, d = key_cache.shape[2], key_cache.shape[3]
     # A run of slots is a slice of the flat cache: one strided copy instead of an indexed write
     # (the same bytes land in the same slots, 2-3x faster on the CPU).
@@ -124,7 +176,7 @@ def scatter_kv(
     """Write artifact keys/values ``[1, H, t, d]`` into the paged cache at ``slots``, in place."""
     _check(keys, values, key_cache, value_cache, slots)
     if choose(backend, keys, values, key_cache, value_cache, slots) == "torch":
-        scatter_kv_reference(keys, values, key_cache, value_cache, slots)
+        _scatter_checked(keys, values, key_cache, value_cache, slots)
         return
     t, h, d = keys.shape[2], keys.shape[1], keys.shape[3]
     if t == 0:
@@ -155,9 +207,7 @@ def gather_kv(
                           f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
     if slots.dim() != 1:
         raise KernelError(f"slots must be 1-D, got {tuple(slots.shape)}")
-    capacity = key_cache.shape[0] * key_cache.shape[1]
-    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
-        raise KernelError(f"slots run outside the cache's {capacity} slots")
+    _check_range(slots, key_cache)
     h, d, t = key_cache.shape[2], key_cache.shape[3], slots.numel()
     if out is not None:
         _check_out(out, key_cache, (1, h, t, d))

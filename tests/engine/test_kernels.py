@@ -305,3 +305,40 @@ def test_gather_of_one_kv_head_returns_new_tensors_not_views_of_the_pool(h: int)
     vc.zero_()
     assert torch.equal(k, keys) and torch.equal(v, values)
     assert k.is_contiguous() and v.is_contiguous()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"] if triton_available() else ["torch"])
+def test_slots_rewritten_in_place_after_a_scatter_are_checked_and_followed_anew(backend: str) -> None:
+    # The kernels remember what they checked of a slot tensor (its range, whether it is a run)
+    # for as long as its version counter stands: an in-place write must void that.
+    h, d = 3, 64
+    keys, values = _kv(h, d, 16, seed=5)
+    slots = slot_mapping(torch.tensor([1, 2], dtype=torch.int64), 0, 16)  # a run: 16..31
+    kc, vc = _cache(h, d, blocks=4)
+    scatter_kv(keys, values, kc, vc, slots, backend=backend)  # type: ignore[arg-type]
+    assert torch.equal(kc.view(-1, h, d)[16:32], keys[0].transpose(0, 1))
+    slots.copy_(slots.flip(0))  # the same slots backwards: no longer a run
+    scatter_kv(keys, values, kc, vc, slots, backend=backend)  # type: ignore[arg-type]
+    assert torch.equal(kc.view(-1, h, d)[16:32], keys[0].transpose(0, 1).flip(0))
+    gk, _ = gather_kv(kc, vc, slots, backend=backend)  # type: ignore[arg-type]
+    assert torch.equal(gk, keys)
+    slots[3] = 64  # one past the cache's 64 slots
+    with pytest.raises(KernelError, match="slots run outside the cache's 64 slots"):
+        scatter_kv(keys, values, kc, vc, slots, backend=backend)  # type: ignore[arg-type]
+    with pytest.raises(KernelError, match="slots run outside the cache's 64 slots"):
+        gather_kv(kc, vc, slots, backend=backend)  # type: ignore[arg-type]
+
+
+def test_scatter_and_gather_take_slots_made_under_inference_mode() -> None:
+    # Inference tensors keep no version counter, so nothing is remembered of them: each call checks.
+    h, d = 2, 16
+    keys, values = _kv(h, d, 20, seed=6)
+    kc, vc = _cache(h, d, blocks=4)
+    with torch.inference_mode():
+        slots = slot_mapping(torch.tensor([2, 0, 3], dtype=torch.int64), 12, 20)
+        scatter_kv_reference(keys, values, kc, vc, slots)
+        gk, gv = gather_kv_reference(kc, vc, slots)
+        assert torch.equal(gk, keys) and torch.equal(gv, values)
+        slots[0] = -1
+        with pytest.raises(KernelError, match="slots run outside the cache's 64 slots"):
+            scatter_kv_reference(keys, values, kc, vc, slots)
