@@ -17,11 +17,14 @@ the logits of the question's last position exist, measured side by side in one p
   ``llama_state_load_file`` through llama-cpp-python) on the same GGUF file, then the question;
 - ``llama.cpp recompute``: llama.cpp evaluating prefix + question from an empty context.
 
-Page cache warm for both restores (the files were just written). Targets (issue 16), checked for
+Each run times the recompute, then the grafts and llama.cpp's restore in an order that turns by
+one every run (each takes the place right after the recompute in turn), then llama.cpp's
+recompute; every figure is a median of ``--runs`` runs. Page cache warm for both restores (the
+files were just written). Targets (issue 16), checked for
 every profile: graft at least 30x faster than recompute at 4K and growing with length; not
 slower than llama.cpp's restore at any length; artifact bytes at most llama.cpp's f16 state.
 
-    .venv/bin/python bench/ttft.py [--runs 3] [--lengths 256 1024 2048 4096 8160]
+    .venv/bin/python bench/ttft.py [--runs 5] [--lengths 256 1024 2048 4096 8160]
         [--profiles cpu-fp32-sdpa cpu-fp32-sdpa-kv16 cpu-bf16-sdpa cpu-fp32]
 """
 
@@ -131,7 +134,7 @@ class LlamaCpp:
 def main() -> None:
     """Measure, write ``bench/results/ttft.json`` and its plot."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=2 if QUICK else 3)
+    ap.add_argument("--runs", type=int, default=2 if QUICK else 5)
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024] if QUICK else [256, 1024, 2048, 4096, 8160])
     ap.add_argument("--threads", type=int, default=2,
                     help="threads for every method (2 is the profile's own; 1 is steadier on a machine others load)")
@@ -191,6 +194,12 @@ def main() -> None:
             # As many runs at every length: a median of two is their mean, which one stall on this
             # kind of VM moved by 2x at 8K (llama.cpp's restore 0.38 s, then 2.08 s).
             reps = args.runs
+
+            # The grafts and llama.cpp's restore, in an order that turns by one each run: what
+            # runs right after the recompute finds the caches and free memory churned, and every
+            # contestant takes that place in turn (the ratios compare medians of the same runs).
+            profile_of = dict(zip(graft_keys, profiles, strict=True))
+            order = graft_keys + (["llama_restore"] if llama is not None else [])
             for r in range(reps):
                 # recompute, plain transformers
                 torch.set_num_threads(args.threads)
@@ -198,8 +207,19 @@ def main() -> None:
                     t0 = time.perf_counter()
                     plain(input_ids=torch.tensor([full]), logits_to_keep=1)
                     runs["recompute"].append(time.perf_counter() - t0)
-                for key, p in zip(graft_keys, profiles, strict=True):
+                turn = r % len(order)
+                for key in order[turn:] + order[:turn]:
+                    if key == "llama_restore" and llama is not None:
+                        llama.clear()
+                        t0 = time.perf_counter()
+                        n = llama.load(state_file, spec.window)
+                        llama.eval(q_ids)
+                        runs["llama_restore"].append(time.perf_counter() - t0)
+                        if n != len(prefix):
+                            raise SystemExit(f"llama.cpp restored {n} tokens, not {len(prefix)}")
+                        continue
                     # graft from the local store, digests checked
+                    p = profile_of[key]
                     t0 = time.perf_counter()
                     art = load_artifact(chains[key][length], model_of[p.name], p, trusted=trusted)
                     t1 = time.perf_counter()
@@ -214,19 +234,11 @@ def main() -> None:
                     if cont.prefix_tokens != len(prefix) or cont.continuation_ids != q_ids:
                         raise SystemExit("the graft ran other tokens than the recompute")
                     del art, cont
-                if llama is not None:
+                if llama is not None and not args.skip_llama_recompute:
                     llama.clear()
                     t0 = time.perf_counter()
-                    n = llama.load(state_file, spec.window)
-                    llama.eval(q_ids)
-                    runs["llama_restore"].append(time.perf_counter() - t0)
-                    if n != len(prefix):
-                        raise SystemExit(f"llama.cpp restored {n} tokens, not {len(prefix)}")
-                    if not args.skip_llama_recompute:
-                        llama.clear()
-                        t0 = time.perf_counter()
-                        llama.eval(full)
-                        runs["llama_recompute"].append(time.perf_counter() - t0)
+                    llama.eval(full)
+                    runs["llama_recompute"].append(time.perf_counter() - t0)
                 say(f"L={len(prefix)} run {r + 1}/{reps}: " + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in runs.items() if v))
             row["runs"] = {k: v for k, v in runs.items() if v}
             # Where each graft's time went, in the timed runs above: load_artifact, the restore into
