@@ -12,14 +12,28 @@
 # them from (llama_cpp/lib). The built libraries are cached per version and CPU flags under
 # ${KVGRAFT_BENCH_CACHE:-~/.cache/kvgraft/bench}, so a second clone on the same machine reuses
 # them. Nothing here is part of `make test`.
+#
+# ggml's AMX backend is compiled out (-mno-amx-*; every other -march=native flag stays): on this
+# project's Intel machines with AMX its first matrix product crashes the process (SIGSEGV in
+# ggml_backend_amx_mul_mat, ggml-org/llama.cpp#20824, open upstream), which killed `make bench`.
+# llama.cpp then multiplies with its AVX-512 (VNNI, BF16) kernels, as on any CPU without AMX.
 set -euo pipefail
 
 PY="${1:-.venv/bin/python}"
 VERSION=0.3.36
 DISKCACHE=diskcache==5.6.3
+# What the libraries were built with; an install or cache entry of another build is replaced.
+BUILD="native-no-amx"
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
-if "$PY" -c "import sys, llama_cpp; sys.exit(llama_cpp.__version__ != '$VERSION')" 2>/dev/null; then
-    echo "llama-cpp-python $VERSION is already installed"
+if "$PY" - "$VERSION" "$BUILD" <<'PY' 2>/dev/null; then
+import importlib.util, pathlib, sys
+spec = importlib.util.find_spec("llama_cpp")
+import llama_cpp
+tag = pathlib.Path(spec.origin).parent / "lib" / "kvgraft-build"
+sys.exit(llama_cpp.__version__ != sys.argv[1] or not tag.is_file() or tag.read_text().strip() != sys.argv[2])
+PY
+    echo "llama-cpp-python $VERSION ($BUILD) is already installed"
     exit 0
 fi
 for tool in cmake ninja cc c++; do
@@ -31,7 +45,7 @@ for tool in cmake ninja cc c++; do
 done
 
 cpu_key="$(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-12)"
-cache="${KVGRAFT_BENCH_CACHE:-$HOME/.cache/kvgraft/bench}/llama-cpp-python-$VERSION-$cpu_key"
+cache="${KVGRAFT_BENCH_CACHE:-$HOME/.cache/kvgraft/bench}/llama-cpp-python-$VERSION-$BUILD-$cpu_key"
 sdist="$cache/llama_cpp_python-$VERSION.tar.gz"
 
 if [ ! -f "$cache/done" ]; then
@@ -43,6 +57,7 @@ if [ ! -f "$cache/done" ]; then
     tar -xzf "$work/llama_cpp_python-$VERSION.tar.gz" -C "$work"
     cmake -S "$work/llama_cpp_python-$VERSION/vendor/llama.cpp" -B "$work/build" -G Ninja \
         -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+        -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
         -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DCMAKE_INSTALL_RPATH='$ORIGIN' \
         -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF \
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >"$work/configure.log"
@@ -51,6 +66,7 @@ if [ ! -f "$cache/done" ]; then
     rm -rf "$cache.partial"
     mkdir -p "$cache.partial/lib"
     cp -a "$work"/build/bin/*.so* "$cache.partial/lib/"
+    echo "$BUILD" > "$cache.partial/lib/kvgraft-build"
     cp "$work/llama_cpp_python-$VERSION.tar.gz" "$cache.partial/"
     # The libraries must load from wherever they are copied (the build folder is about to go).
     "$PY" -c "import ctypes, sys; ctypes.CDLL(sys.argv[1])" "$cache.partial/lib/libllama.so"
@@ -66,4 +82,5 @@ CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$PY" -m pip install --quiet --
 lib="$("$PY" -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("llama_cpp").origin).parent / "lib")')"
 mkdir -p "$lib"
 cp -a "$cache"/lib/*.so* "$lib/"
+cp "$cache/lib/kvgraft-build" "$lib/"
 "$PY" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'ready:', llama_cpp.llama_print_system_info().decode()[:80])"
