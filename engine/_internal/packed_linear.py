@@ -6,11 +6,15 @@ weight out in its blocked format again on every call. A 20-token pass of smollm2
 (``torch.ops.mkldnn._reorder_linear_weight``, the layout inductor's weight freezing uses) and
 multiplied by ``torch.ops.mkldnn._linear_pointwise`` (2 threads, AVX-512 EPYC).
 
-The products run the same oneDNN kernels and are equal to ``F.linear``'s bit for bit (the test
-suite checks the registered models' layer shapes at 1 to 1,024 rows, with and without bias, and
-smollm2-135m's output embedding at the rows a pass keeps; 4,096 rows were checked by hand), so
-the ``cpu-bf16-sdpa`` profile computes the numbers it computed before, and its exactness records
-still hold.
+Without AMX the products run the same oneDNN kernels and are equal to ``F.linear``'s bit for bit
+(the test suite checks the registered models' layer shapes at 1 to 1,024 rows, with and without
+bias, and smollm2-135m's output embedding at the rows a pass keeps; 4,096 rows were checked by
+hand on an AVX-512 EPYC), so the ``cpu-bf16-sdpa`` records made before packing still hold there.
+On a CPU with AMX (an Intel Xeon), oneDNN multiplies a weight laid out for ``ROWS_HINT`` rows
+with other AMX kernels than the layout ``F.linear`` picks per call, for some shapes and row
+counts: those products differ from ``F.linear``'s in the last bfloat16 bit, and are the same on
+every call. The profile's exactness does not rest on matching ``F.linear``: capture, fresh
+computation and graft all run the packed layers, and its fingerprint names the CPU.
 
 The output embedding is packed too: one row per pass, but the largest matrix (49,152 x 576 for
 smollm2-135m), whose product took 5.2 ms through ``F.linear`` and 2.6 ms packed. Its packed copy

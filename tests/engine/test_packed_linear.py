@@ -1,4 +1,5 @@
-"""Packed bfloat16 linear layers: the same products as ``F.linear``, bit for bit."""
+"""Packed bfloat16 linear layers: the same products as ``F.linear``, bit for bit where oneDNN has no
+AMX; with AMX, within bfloat16 rounding and deterministic."""
 
 from __future__ import annotations
 
@@ -17,12 +18,33 @@ def own_tiny() -> LoadedModel:
     """A tiny model of the test's own: these tests round and pack its weights in place."""
     return load_model("tiny-llama-test")
 
+# On a CPU with AMX, oneDNN multiplies a weight laid out once for a pass's rows with other AMX
+# kernels than the layout F.linear picks per call, for some shapes and row counts (an Intel Xeon
+# here: 576x576 from 300 rows, 576x1536 and 896x896 at 512, 128x896 with bias at 64): the
+# products differ from F.linear's in the last bfloat16 bit. Where oneDNN has no AMX (an AMD EPYC
+# with AVX-512 BF16 here) both run the same kernels and the bits are equal.
+AMX = bool(torch.cpu._is_amx_tile_supported())
+
+
+def assert_as_f_linear(got: torch.Tensor, want: torch.Tensor, packed: PackedLinear, x: torch.Tensor, what: object) -> None:
+    """Bit for bit equal to F.linear without AMX; with it, equal within bfloat16's rounding and
+    the same bits on every call (the profile packs in capture, fresh and graft alike, so its
+    own exactness does not depend on matching F.linear)."""
+    assert got.shape == want.shape, what
+    if not AMX:
+        assert torch.equal(got, want), what
+        return
+    torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}")
+    with torch.no_grad():
+        assert torch.equal(packed(x), got), what
+
+
 # The registered models' decoder shapes (smollm2-135m, qwen2.5-coder-0.5b, gemma3-270m's MLP).
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (896, 896), (128, 896), (4864, 896), (896, 4864), (2048, 640)]
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_a_packed_linear_equals_f_linear_bit_for_bit_at_every_row_count(out_features: int, in_features: int) -> None:
+def test_a_packed_linear_equals_f_linear_bit_for_bit_at_every_row_count_without_amx(out_features: int, in_features: int) -> None:
     g = torch.Generator().manual_seed(out_features * 7 + in_features)
     for bias in (False, True):
         linear = torch.nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
@@ -33,10 +55,10 @@ def test_a_packed_linear_equals_f_linear_bit_for_bit_at_every_row_count(out_feat
             with torch.no_grad():
                 want = torch.nn.functional.linear(x, linear.weight, linear.bias)
                 got = packed(x)
-            assert got.shape == want.shape and torch.equal(got, want), (rows, bias)
+            assert_as_f_linear(got, want, packed, x, (rows, bias))
 
 
-def test_a_packed_output_embedding_equals_f_linear_bit_for_bit_at_the_rows_a_pass_keeps() -> None:
+def test_a_packed_output_embedding_equals_f_linear_bit_for_bit_at_the_rows_a_pass_keeps_without_amx() -> None:
     # smollm2-135m's output embedding (49,152 x 576): the largest product a pass makes, of the
     # few rows it keeps (one for a first token, the continuation's for the exactness experiment).
     g = torch.Generator().manual_seed(49152)
@@ -47,7 +69,7 @@ def test_a_packed_output_embedding_equals_f_linear_bit_for_bit_at_the_rows_a_pas
         with torch.no_grad():
             want = torch.nn.functional.linear(x, linear.weight)  # [B, rows, vocab]
             got = packed(x)
-        assert got.shape == want.shape and torch.equal(got, want), rows
+        assert_as_f_linear(got, want, packed, x, rows)
 
 
 def test_a_packed_linear_refuses_weights_it_cannot_pack() -> None:
