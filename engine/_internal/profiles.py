@@ -14,8 +14,15 @@ the CUDA profiles; the loaded float32 weights are rounded once, in place, by ``p
 
 An instruction-set-level profile (``cpu-fp32-x86-64-v3``, ``-v4``) pins the level every math
 library torch calls dispatches to, not the CPU's model name: ATen's vector kernels
-(``ATEN_CPU_CAPABILITY``), MKL's conditional numerical reproducibility (``MKL_CBWR``, strict) and
-oneDNN's ISA ceiling (``ONEDNN_MAX_CPU_ISA``). Each is read once when the library starts, so the
+(``ATEN_CPU_CAPABILITY``), MKL's conditional numerical reproducibility (``MKL_CBWR``) and
+oneDNN's ISA ceiling (``ONEDNN_MAX_CPU_ISA``). MKL runs its ``COMPATIBLE`` branch (SSE2 without
+the approximate ``rcpps``/``rsqrtps``) at every level, strict: its AVX2 and AVX-512 branches are
+Intel's only, and on any other CPU ``MKL_CBWR=AVX2`` silently runs MKL's ``AUTO`` branch
+instead, which is why a record registered under ``MKL_CBWR=AVX2,STRICT`` on an AMD EPYC
+replayed on an Intel Xeon with 43 of 50 samples equal (results/exactness). ``COMPATIBLE`` is
+the one branch MKL supports, and keeps equal, on Intel and other x86 CPUs alike. It is slow: a
+256 x 576 x 1,536 float32 product takes 3x as long as in the AVX2 branch, and smollm2-135m's
+50-sample exactness experiment about 10x (2 threads, Intel Xeon). Each is read once when the library starts, so the
 process must be started with them (``IsaLevel.command_prefix``); ``current_profile`` refuses
 one that was not, and a CPU whose kernel does not report the level's flags (``/proc/cpuinfo``),
 before any kernel runs: torch takes ``ATEN_CPU_CAPABILITY`` at its word on a VM that hides
@@ -55,7 +62,8 @@ class IsaLevel:
     aten: str
     #: What ``torch.backends.cpu.get_cpu_capability()`` then reports.
     torch_capability: str
-    #: ``MKL_CBWR``: MKL's reproducible code branch, strict.
+    #: ``MKL_CBWR``: MKL's reproducible code branch, strict; ``COMPATIBLE`` at every level, the
+    #: only branch MKL runs alike on Intel and other vendors' CPUs (module docstring).
     mkl_cbwr: str
     #: ``ONEDNN_MAX_CPU_ISA``: the highest ISA oneDNN may use.
     onednn_max_isa: str
@@ -85,9 +93,9 @@ def _unmet(environment: dict[str, str]) -> list[str]:
 
 #: The x86-64 micro-architecture levels a profile can pin (psABI names).
 ISA_LEVELS: dict[str, IsaLevel] = {
-    "x86-64-v3": IsaLevel("x86-64-v3", aten="avx2", torch_capability="AVX2", mkl_cbwr="AVX2,STRICT", onednn_max_isa="AVX2",
+    "x86-64-v3": IsaLevel("x86-64-v3", aten="avx2", torch_capability="AVX2", mkl_cbwr="COMPATIBLE,STRICT", onednn_max_isa="AVX2",
                           cpu_flags=("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave")),
-    "x86-64-v4": IsaLevel("x86-64-v4", aten="avx512", torch_capability="AVX512", mkl_cbwr="AVX512,STRICT",
+    "x86-64-v4": IsaLevel("x86-64-v4", aten="avx512", torch_capability="AVX512", mkl_cbwr="COMPATIBLE,STRICT",
                           onednn_max_isa="AVX512_CORE", cpu_flags=("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")),
 }
 
