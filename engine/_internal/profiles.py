@@ -395,7 +395,7 @@ def applied(profile: DeterminismProfile) -> Iterator[None]:
     if profile.attention_implementation == fast_attention.ATTENTION_NAME:
         fast_attention.register()
     attention = _APPLIED_ATTENTION.set(profile.attention_implementation)
-    torch.set_num_threads(profile.threads)
+    _set_threads(profile.threads)
     torch.use_deterministic_algorithms(profile.deterministic_algorithms)
     # Deterministic mode also fills every new tensor with NaN before its kernel writes it, a
     # guard against kernels that read memory they never wrote. Every kernel the engine runs
@@ -418,6 +418,30 @@ def applied(profile: DeterminismProfile) -> Iterator[None]:
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
         torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
         torch.set_num_threads(threads)
+
+
+#: Thread counts whose intra-op workers have done a first piece of work in this process.
+_WARMED: set[int] = set()
+
+
+def _set_threads(n: int) -> None:
+    """``torch.set_num_threads(n)``, then, the first time a process runs ``n`` threads, one
+    vectorized ``exp`` split across all of them, before any model computation.
+
+    Why: on an Intel Xeon (AVX-512, AMX; torch 2.13.0+cpu) the first piece of work an intra-op
+    worker thread does in a process sometimes computes a vectorized transcendental wrongly: the
+    first ``cos`` of a [1, 131, 16] float32 tensor, split over 2 threads, came out 1.5e-4 off in
+    the worker's half (angles past 64 radians) in about one fresh process in five, and exact in
+    every later call. A capture's rotary embedding is such a first call, so the same text gave
+    two different artifacts in two processes (``test_two_processes_capture_identical_bytes``
+    failed in ``make test``). After any earlier parallel op the first ``cos`` was exact in 50 of
+    50 processes. The cause is below torch (not found); this makes every worker's first work a
+    throwaway one. 64 K elements per thread, about 0.1 ms, once per process and thread count.
+    """
+    torch.set_num_threads(n)
+    if n > 1 and n not in _WARMED:
+        torch.exp(torch.zeros(n * 65536))
+        _WARMED.add(n)
 
 
 class _GpuMath:
