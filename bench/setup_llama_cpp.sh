@@ -26,13 +26,15 @@ DISKCACHE=diskcache==5.6.3
 BUILD="native-no-amx"
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
-if "$PY" - "$VERSION" "$BUILD" <<'PY' 2>/dev/null; then
-import importlib.util, pathlib, sys
-spec = importlib.util.find_spec("llama_cpp")
-import llama_cpp
-tag = pathlib.Path(spec.origin).parent / "lib" / "kvgraft-build"
-sys.exit(llama_cpp.__version__ != sys.argv[1] or not tag.is_file() or tag.read_text().strip() != sys.argv[2])
-PY
+# Where the package loads its libraries from, found without importing it (it loads them at import
+# time, and before the first install there are none); empty when the package is not installed.
+package_lib() {
+    "$PY" -c 'import importlib.util, pathlib; s = importlib.util.find_spec("llama_cpp"); print(pathlib.Path(s.origin).parent / "lib" if s else "")'
+}
+
+lib="$(package_lib)"
+if [ -n "$lib" ] && [ "$(cat "$lib/kvgraft-build" 2>/dev/null)" = "$BUILD" ] &&
+    "$PY" -c "import sys, llama_cpp; sys.exit(llama_cpp.__version__ != '$VERSION')" 2>/dev/null; then
     echo "llama-cpp-python $VERSION ($BUILD) is already installed"
     exit 0
 fi
@@ -78,9 +80,8 @@ fi
 
 # The Python bindings only: LLAMA_BUILD=OFF makes the sdist's build compile nothing.
 CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$PY" -m pip install --quiet --no-deps "$sdist" "$DISKCACHE"
-# Found without importing it: the package loads its library at import time, and there is none yet.
-lib="$("$PY" -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("llama_cpp").origin).parent / "lib")')"
+lib="$(package_lib)"
 mkdir -p "$lib"
-cp -a "$cache"/lib/*.so* "$lib/"
-cp "$cache/lib/kvgraft-build" "$lib/"
+# The libraries and the build's tag.
+cp -a "$cache"/lib/. "$lib/"
 "$PY" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'ready:', llama_cpp.llama_print_system_info().decode()[:80])"

@@ -22,12 +22,13 @@ instead, which is why a record registered under ``MKL_CBWR=AVX2,STRICT`` on an A
 replayed on an Intel Xeon with 43 of 50 samples equal (results/exactness). ``COMPATIBLE`` is
 the one branch MKL supports, and keeps equal, on Intel and other x86 CPUs alike. It is slow: a
 256 x 576 x 1,536 float32 product takes 3x as long as in the AVX2 branch, and smollm2-135m's
-50-sample exactness experiment about 10x (2 threads, Intel Xeon). Each is read once when the library starts, so the
-process must be started with them (``IsaLevel.command_prefix``); ``current_profile`` refuses
-one that was not, and a CPU whose kernel does not report the level's flags (``/proc/cpuinfo``),
-before any kernel runs: torch takes ``ATEN_CPU_CAPABILITY`` at its word on a VM that hides
-AVX-512, and its AVX-512 code would then die of SIGILL. An artifact captured under a level then grafts bit-exactly on any machine that
-supports the level (and runs the same torch, transformers and thread count).
+50-sample exactness experiment about 10x (2 threads, Intel Xeon). Each variable is read once
+when its library starts, so the process must be started with them (``IsaLevel.command_prefix``);
+``current_profile`` refuses one that was not, and a CPU whose kernel does not report the level's
+flags (``/proc/cpuinfo``), before any kernel runs: torch takes ``ATEN_CPU_CAPABILITY`` at its
+word on a VM that hides AVX-512, and its AVX-512 code would then die of SIGILL. An artifact
+captured under a level then grafts bit-exactly on any machine that supports the level (and runs
+the same torch, transformers and thread count).
 """
 
 from __future__ import annotations
@@ -62,8 +63,7 @@ class IsaLevel:
     aten: str
     #: What ``torch.backends.cpu.get_cpu_capability()`` then reports.
     torch_capability: str
-    #: ``MKL_CBWR``: MKL's reproducible code branch, strict; ``COMPATIBLE`` at every level, the
-    #: only branch MKL runs alike on Intel and other vendors' CPUs (module docstring).
+    #: ``MKL_CBWR``: MKL's reproducible code branch, strict (``_MKL_PORTABLE`` at every level).
     mkl_cbwr: str
     #: ``ONEDNN_MAX_CPU_ISA``: the highest ISA oneDNN may use.
     onednn_max_isa: str
@@ -91,11 +91,14 @@ def _unmet(environment: dict[str, str]) -> list[str]:
     return [f"{k}={os.environ.get(k, '(unset)')}" for k, v in environment.items() if os.environ.get(k) != v]
 
 
+#: MKL's branch at every level: the one it runs alike on every vendor's CPU (module docstring).
+_MKL_PORTABLE = "COMPATIBLE,STRICT"
+
 #: The x86-64 micro-architecture levels a profile can pin (psABI names).
 ISA_LEVELS: dict[str, IsaLevel] = {
-    "x86-64-v3": IsaLevel("x86-64-v3", aten="avx2", torch_capability="AVX2", mkl_cbwr="COMPATIBLE,STRICT", onednn_max_isa="AVX2",
+    "x86-64-v3": IsaLevel("x86-64-v3", aten="avx2", torch_capability="AVX2", mkl_cbwr=_MKL_PORTABLE, onednn_max_isa="AVX2",
                           cpu_flags=("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave")),
-    "x86-64-v4": IsaLevel("x86-64-v4", aten="avx512", torch_capability="AVX512", mkl_cbwr="COMPATIBLE,STRICT",
+    "x86-64-v4": IsaLevel("x86-64-v4", aten="avx512", torch_capability="AVX512", mkl_cbwr=_MKL_PORTABLE,
                           onednn_max_isa="AVX512_CORE", cpu_flags=("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")),
 }
 
