@@ -24,6 +24,7 @@ from kvgraft.schemas import (
     StagedDirectory,
     Statement,
     artifact_candidates,
+    check_subject_name,
     statement_unverified,
 )
 
@@ -34,18 +35,15 @@ MAX_ENVELOPE_BYTES = 64 << 20
 
 
 def safe_path(root: Path, name: str, what: str) -> Path:
-    """``root / name`` for a subject name, refusing names that would leave ``root``.
+    """``root / name`` for a subject name, by the one subject-name rule (``check_subject_name``).
 
-    ``what`` names the statement for the message. A subject name is a ``/``-separated relative
-    path without empty, ``.`` or ``..`` parts, backslashes or NUL.
+    ``what`` names the statement for the message. Raises ``LocalFilesError`` for a name the rule
+    refuses (a statement parsed by ``kvgraft.schemas`` was checked already; this guards paths).
     """
-    parts = name.split("/")
-    if not name or name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts) or "\0" in name:
-        raise LocalFilesError(
-            f"{what} names subject {name[:80]!r}, which is not a plain relative path",
-            hint="subject names are relative paths inside the directory (kv.safetensors, logits/<hex>.f32)",
-        )
-    return root.joinpath(*parts)
+    try:
+        return root.joinpath(*check_subject_name(name))
+    except SchemaError as e:
+        raise LocalFilesError(f"{what}: {e.message}", hint=e.hint) from e
 
 
 def free_bytes(directory: Path) -> int | None:

@@ -27,6 +27,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import unicodedata
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from types import MappingProxyType, TracebackType
@@ -84,6 +85,91 @@ LIBRARY_FILE = "library.json"
 LIBRARY_INDEX_FILE = "index.jsonl"
 LIBRARY_PREFIX_DIR = "prefix"
 LIBRARY_ENTRIES_DIR = "entries"
+
+
+# --- subject names: the one rule -------------------------------------------------------------------
+
+#: A subject name's limits. A name becomes a path under an artifact, record or report directory
+#: on every machine that pulls it: one component is at most 255 bytes (NAME_MAX), the whole name
+#: at most 1,024 bytes and 16 components (kvgraft writes at most 2: ``logits/<hex>.f32``), so the
+#: path fits PATH_MAX under any sane directory and nothing walks it recursively without bound.
+MAX_SUBJECT_NAME_BYTES = 1024
+MAX_SUBJECT_PART_BYTES = 255
+MAX_SUBJECT_DEPTH = 16
+#: The files a directory holds beside its subjects: a subject may not take their place.
+RESERVED_SUBJECT_NAMES = frozenset({STATEMENT_FILE, RECORD_FILE, LOG_PROOF_FILE})
+
+_SUBJECT_HINT = "subject names are relative paths inside the directory, such as kv.safetensors or logits/<hex>.f32"
+
+
+def _check_relative_name(name: str, what: str) -> tuple[str, ...]:
+    # The structure and limits of a subject name, shared by the files written beside subjects.
+    shown = repr(name[:60] + ("..." if len(name) > 60 else ""))
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise DocumentError(f"{what} {shown} is not valid Unicode text", hint=_SUBJECT_HINT) from e
+    if size > MAX_SUBJECT_NAME_BYTES:
+        raise DocumentError(f"{what} {shown} is {size} bytes long; the limit is {MAX_SUBJECT_NAME_BYTES}", hint=_SUBJECT_HINT)
+    if any(ord(c) < 0x20 or c in "\x7f\\" for c in name):
+        raise DocumentError(f"{what} {shown} holds a NUL, control character or backslash", hint=_SUBJECT_HINT)
+    parts = tuple(name.split("/"))
+    if len(parts) > MAX_SUBJECT_DEPTH:
+        raise DocumentError(f"{what} {shown} is {len(parts)} levels deep; the limit is {MAX_SUBJECT_DEPTH}", hint=_SUBJECT_HINT)
+    if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise DocumentError(f"{what} {shown} is not a plain relative path: it must be a relative path without '.', '..' or empty parts", hint=_SUBJECT_HINT)
+    for part in parts:
+        if len(part.encode("utf-8")) > MAX_SUBJECT_PART_BYTES:
+            raise DocumentError(
+                f"{what} {shown} has a part of {len(part.encode('utf-8'))} bytes; the limit is {MAX_SUBJECT_PART_BYTES} (a file name)",
+                hint=_SUBJECT_HINT,
+            )
+    return parts
+
+
+def check_subject_name(name: str) -> tuple[str, ...]:
+    """Check one subject name against the rule every writer and reader uses; its ``/`` parts.
+
+    A subject name is a ``/``-separated relative path: no empty, ``.`` or ``..`` part, no
+    backslash, NUL or other control character, valid UTF-8, within ``MAX_SUBJECT_NAME_BYTES``,
+    ``MAX_SUBJECT_PART_BYTES`` a part and ``MAX_SUBJECT_DEPTH`` parts, and its first part is
+    not one of the files held beside the subjects (``RESERVED_SUBJECT_NAMES``). Raises
+    ``DocumentError`` naming what is wrong. See ``check_subject_names`` for a statement's set.
+    """
+    parts = _check_relative_name(name, "subject name")
+    if parts[0] in RESERVED_SUBJECT_NAMES:
+        raise DocumentError(
+            f"subject name {name[:60]!r} takes the place of {parts[0]}, which the directory holds beside its subjects",
+            hint=_SUBJECT_HINT,
+        )
+    return parts
+
+
+def _clash_key(parts: tuple[str, ...]) -> tuple[str, ...]:
+    # Case-insensitive file systems (macOS, Windows) and NFC/NFD normalisation make these one file.
+    return tuple(unicodedata.normalize("NFC", p).casefold() for p in parts)
+
+
+def check_subject_names(names: list[str]) -> None:
+    """Check a statement's subject names, each by ``check_subject_name`` and together: no two
+    are the same file (compared case-insensitively and after Unicode normalisation, as some file
+    systems do), and none is a folder of another (``x`` and ``x/y``). Raises ``DocumentError``."""
+    seen: dict[tuple[str, ...], str] = {}
+    for name in names:
+        key = _clash_key(check_subject_name(name))
+        if key in seen:
+            raise DocumentError(
+                f"subject names {seen[key][:60]!r} and {name[:60]!r} are the same file on some file systems",
+                hint="give every subject a distinct name",
+            )
+        seen[key] = name
+    for key, name in seen.items():
+        for depth in range(1, len(key)):
+            if key[:depth] in seen:
+                raise DocumentError(
+                    f"subject {seen[key[:depth]][:60]!r} is a file, and subject {name[:60]!r} needs it to be a folder",
+                    hint="give every subject a distinct path; no subject may be the folder of another",
+                )
 
 
 # --- the home directory and the local index -------------------------------------------------------
@@ -234,11 +320,9 @@ def write_atomic(path: Path, data: bytes, mode: int) -> None:
 
 
 def _relative(name: str) -> PurePosixPath:
-    # File names come from code and from statements' subjects: only plain relative paths.
-    rel = PurePosixPath(name)
-    if not name or rel.is_absolute() or any(part in ("", ".", "..") for part in name.split("/")):
-        raise DocumentError(f"{name!r} is not a plain relative file name")
-    return rel
+    # File names come from code (the envelope beside the subjects) and from statements' subjects:
+    # the subject-name rule's structure and limits for both.
+    return PurePosixPath(*_check_relative_name(name, "file name"))
 
 
 class StagedDirectory:

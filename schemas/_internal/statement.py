@@ -32,10 +32,12 @@ class Subject(Contract):
     @field_validator("name")
     @classmethod
     def _safe_name(cls, name: str) -> str:
-        # Subject names become paths when checked on disk: refuse anything that escapes.
-        parts = name.split("/")
-        if name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):
-            raise ValueError(f"subject name {name!r} must be a relative path without '.', '..' or empty parts")
+        # Subject names become paths wherever the statement is pulled, checked or reported: the
+        # one rule (layout's, imported here because layout imports this module) is checked at
+        # parse time, so that a registry refuses at publish what no client could write.
+        from .layout import check_subject_name
+
+        check_subject_name(name)
         return name
 
 
@@ -54,7 +56,7 @@ class Statement(Contract):
     @field_validator("subject")
     @classmethod
     def _unique_names(cls, subject: list[Subject]) -> list[Subject]:
-        names = [s.name for s in subject]
-        if len(set(names)) != len(names):
-            raise ValueError("subject names must be unique")
+        from .layout import check_subject_names
+
+        check_subject_names([s.name for s in subject])
         return subject
