@@ -27,7 +27,7 @@ from kvgraft.schemas import (
     sha256_bytes,
 )
 
-from ._internal.audit import audit_report
+from ._internal.audit import audit_report, outside_keys_hint
 from ._internal.dsse import read_envelope, verify_envelope, verify_statement_envelope
 from ._internal.errors import DigestMismatchError, MalformedInputError, VerificationError
 from ._internal.evaluation import verify_evaluation_record
@@ -215,21 +215,35 @@ def _cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_audit(args: argparse.Namespace) -> dict[str, Any]:
-    report = audit_report(args.report)
+    trusted = load_trusted_keys(args.trusted_keys) if args.trusted_keys is not None else None
+    if args.registry_key is not None:
+        load_public_key(args.registry_key)  # an unreadable key is one error, before any line
+    report = audit_report(args.report, trusted_keys=trusted, registry_key=args.registry_key)
     lines = [line.render() for line in report.lines]
-    confirmed, refuted = len(report.confirmed), len(report.refuted)
-    ok = refuted == 0 and confirmed > 0
-    verdict = f"OK: audit of {args.report}: all {confirmed} checks confirmed" if ok else (
-        f"FAILED: audit of {args.report}: {refuted} refuted, {confirmed} confirmed"
-    )
+    confirmed, unconfirmed, refuted = len(report.confirmed), len(report.unconfirmed), len(report.refuted)
+    ok = refuted == 0 and unconfirmed == 0 and confirmed > 0
+    if ok:
+        verdict, error = f"OK: audit of {args.report}: all {confirmed} checks confirmed", None
+    elif refuted or not unconfirmed:
+        verdict, error = f"FAILED: audit of {args.report}: {refuted} refuted, {confirmed} confirmed", "AuditRefuted"
+        if unconfirmed:
+            verdict += f", {unconfirmed} unconfirmed"
+    else:
+        verdict, error = (
+            f"UNCONFIRMED: audit of {args.report}: {unconfirmed} checks hold only by "
+            f"{' and '.join(report.inside_keys)} from inside the folder, which whoever wrote it chose "
+            f"(hint: {outside_keys_hint(report.inside_keys)})",
+            "AuditUnconfirmed",
+        )
     return {
         "ok": ok,
         "verified": "audit",
         "confirmed": [{"what": x.what, "value": x.detail} for x in report.confirmed],
+        "unconfirmed": [{"what": x.what, "value": x.detail} for x in report.unconfirmed],
         "refuted": [{"what": x.what, "why": x.detail} for x in report.refuted],
         # Read by main() when ok is false: the one line on stderr.
-        "error": "AuditRefuted",
-        "message": verdict.removeprefix("FAILED: "),
+        "error": error,
+        "message": verdict.split(": ", 1)[1],
         "summary": "\n".join([*lines, verdict]),
     }
 
@@ -351,6 +365,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     au = sub.add_parser("audit", help="re-check every record and number in a report folder; one line per number")
     au.add_argument("report", type=Path, help="the report folder (see docs/records.md)")
+    au.add_argument(
+        "--trusted-keys", type=Path,
+        help="the publishers' trusted-keys file, from outside the folder; without it the folder's own "
+        "trusted-keys.json is used and every signature check is UNCONFIRMED (exit 1)",
+    )
+    au.add_argument(
+        "--registry-key", type=Path,
+        help="the registry's Ed25519 public key (PEM), from outside the folder; without it the folder's "
+        "registry-key.pub.pem is used and every log check is UNCONFIRMED (exit 1)",
+    )
     au.set_defaults(run=_cmd_audit)
 
     add_log_parser(sub)

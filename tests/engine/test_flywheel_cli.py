@@ -92,7 +92,8 @@ def test_deposit_ask_eval_prereg_replay_report_audit(tmp_path: Path, key: Path, 
                               "--out", report, "--trusted-keys", trust, "--dataset", train)
         assert code == 0, err
         assert rep["entries"] == {"artifacts": 4, "pre-registrations": 1, "replays": 1, "evaluations": 1}
-    code, out = _verify(capsys, "audit", report)
+    outside = ("--trusted-keys", trust, "--registry-key", data / "registry-key.pub.pem")
+    code, out = _verify(capsys, "audit", report, *outside)
     assert code == 0, out
     assert "REFUTED" not in out and "accuracy" in out and "reproduced" in out
 
@@ -105,7 +106,7 @@ def test_deposit_ask_eval_prereg_replay_report_audit(tmp_path: Path, key: Path, 
     from kvgraft.schemas import canonical_json
 
     outputs.write_bytes(canonical_json(first) + b"\n" + b"".join(lines[1:]))
-    code, out = _verify(capsys, "audit", report)
+    code, out = _verify(capsys, "audit", report, *outside)
     assert code == 1 and "REFUTED" in out, out
 
 

@@ -23,7 +23,15 @@ from kvgraft.schemas import (
     canonical_json,
     sha256_bytes,
 )
-from kvgraft.verifier import AuditReport, audit_report, compare_logits, load_dataset, logits_file_name
+from kvgraft.verifier import (
+    AuditReport,
+    UnknownKeyError,
+    audit_report,
+    compare_logits,
+    load_dataset,
+    load_trusted_keys,
+    logits_file_name,
+)
 from kvgraft.verifier.cli import ExitCode, main
 
 from ..schemas.fixtures import kv_artifact_statement
@@ -101,9 +109,26 @@ def build_report(
     scenario(report, publisher=pub, log=log, prereg_name="pre-registrations/p1", replay_name="replays/r1", replay_first=replay_first)
     for index, d in logged:
         log.write_proof(index, d / "log.json")
+    # The auditor's own copy of the registry key, from outside the folder (see ``audit``).
+    shutil.copy(report / "registry-key.pub.pem", root / "keys" / "registry-key.pub.pem")
     if claims is not None:
         (report / "summary.json").write_text(json.dumps({"claims": claims}))
     return report
+
+
+def audit(report_dir: Path) -> AuditReport:
+    """Audit with the publisher's and the registry's keys from outside the folder (``keys/``
+    beside it), as an auditor does."""
+    keys = report_dir.parent / "keys"
+    return audit_report(
+        report_dir, trusted_keys=load_trusted_keys(keys / "alice-trusted-keys.json"), registry_key=keys / "registry-key.pub.pem"
+    )
+
+
+def outside_options(report_dir: Path) -> list[str]:
+    """``audit``'s keys as ``kvgraft-verify audit`` options."""
+    keys = report_dir.parent / "keys"
+    return ["--trusted-keys", str(keys / "alice-trusted-keys.json"), "--registry-key", str(keys / "registry-key.pub.pem")]
 
 
 def _lines(report: AuditReport) -> list[str]:
@@ -125,7 +150,7 @@ def test_an_honest_report_confirms_every_number(tmp_path: Path) -> None:
         {"what": "replay reproduced", "value": True, "source": "replays/r1", "field": "reproduced"},
         {"what": "first item correct", "value": True, "source": "evaluations/gsm8k", "field": "items.0.correct"},
     ]
-    report = audit_report(build_report(tmp_path, claims=claims))
+    report = audit(build_report(tmp_path, claims=claims))
     lines = _lines(report)
     assert report.refuted == (), lines
     for expected in (
@@ -152,7 +177,7 @@ def test_a_flipped_grade_is_refused_and_the_rest_still_confirmed(tmp_path: Path)
         if k == 1:
             item["correct"] = True
 
-    report = audit_report(build_report(tmp_path, edit_item=flip))
+    report = audit(build_report(tmp_path, edit_item=flip))
     line = _refuted(report, "evaluations/gsm8k")
     assert f"ClaimMismatchError: item 1 (doc {GSM_DOCS[1]}): correct claimed true, re-graded false" in line
     assert f"CONFIRMED evaluations/aime items {len(AIME_DOCS)}" in _lines(report)
@@ -165,7 +190,7 @@ def test_an_altered_aggregate_is_refused(tmp_path: Path) -> None:
     def inflate(a: dict[str, Any]) -> None:
         a["decode_tokens"] -= 1
 
-    report = audit_report(build_report(tmp_path, edit_aggregates=inflate))
+    report = audit(build_report(tmp_path, edit_aggregates=inflate))
     assert "ClaimMismatchError: aggregate decode_tokens claimed" in _refuted(report, "evaluations/gsm8k")
 
 
@@ -173,14 +198,14 @@ def test_an_altered_output_byte_is_refused(tmp_path: Path) -> None:
     report_dir = build_report(tmp_path)
     out = report_dir / "evaluations" / "aime" / "outputs.jsonl"
     out.write_bytes(out.read_bytes().replace(b"step by step", b"step by steq", 1))
-    report = audit_report(report_dir)
+    report = audit(report_dir)
     assert "SubjectMismatchError: outputs.jsonl has digest" in _refuted(report, "evaluations/aime")
 
 
 def test_a_wrong_summary_claim_is_refused(tmp_path: Path) -> None:
     right = len(GSM_DOCS[::2]) / len(GSM_DOCS)
     claims = [{"what": "GSM8K accuracy", "value": 0.9, "source": "evaluations/gsm8k", "field": "aggregates.accuracy"}]
-    report = audit_report(build_report(tmp_path, claims=claims))
+    report = audit(build_report(tmp_path, claims=claims))
     assert _refuted(report, "GSM8K accuracy") == (
         f"REFUTED GSM8K accuracy: ClaimMismatchError: the summary claims 0.9, but evaluations/gsm8k aggregates.accuracy is {right!r}"
     )
@@ -191,27 +216,27 @@ def test_a_claim_about_a_refuted_record_is_refused(tmp_path: Path) -> None:
         a["accuracy"] = 1.0
 
     claims = [{"what": "GSM8K accuracy", "value": 1.0, "source": "evaluations/gsm8k", "field": "aggregates.accuracy"}]
-    report = audit_report(build_report(tmp_path, edit_aggregates=lie, claims=claims))
+    report = audit(build_report(tmp_path, edit_aggregates=lie, claims=claims))
     assert "its source evaluations/gsm8k is not a record that verified" in _refuted(report, "GSM8K accuracy")
 
 
 def test_a_missing_proof_is_refused(tmp_path: Path) -> None:
     report_dir = build_report(tmp_path)
     (report_dir / "pre-registrations" / "p1" / "log.json").unlink()
-    report = audit_report(report_dir)
+    report = audit(report_dir)
     assert "LogProofError: the pre-registration has no inclusion proof" in _refuted(report, "replays/r1")
     assert "has no inclusion proof" in _refuted(report, "pre-registrations/p1 log inclusion")
 
 
 def test_a_swapped_log_order_is_refused(tmp_path: Path) -> None:
-    report = audit_report(build_report(tmp_path, replay_first=True))
+    report = audit(build_report(tmp_path, replay_first=True))
     assert "ClaimMismatchError: replay logged before its pre-registration" in _refuted(report, "replays/r1")
 
 
 def test_a_proof_of_another_entry_is_refused(tmp_path: Path) -> None:
     report_dir = build_report(tmp_path)
     shutil.copy(report_dir / "artifacts" / "prefix" / "log.json", report_dir / "evaluations" / "gsm8k" / "log.json")
-    report = audit_report(report_dir)
+    report = audit(report_dir)
     assert "LogProofError: evaluations/gsm8k/record.dsse.json: the inclusion proof for leaf 0" in _refuted(report, "evaluations/gsm8k log inclusion")
 
 
@@ -219,7 +244,7 @@ def test_an_altered_dataset_line_is_refused(tmp_path: Path) -> None:
     report_dir = build_report(tmp_path)
     ds = report_dir / "datasets" / GSM8K.name
     ds.write_bytes(ds.read_bytes().replace(b"#### 18", b"#### 19", 1))
-    report = audit_report(report_dir)
+    report = audit(report_dir)
     assert "MalformedInputError: no dataset with digest" in _refuted(report, "evaluations/gsm8k")
 
 
@@ -229,7 +254,7 @@ def test_altered_logits_are_refused(tmp_path: Path) -> None:
     data = bytearray(victim.read_bytes())
     data[0] ^= 1
     victim.write_bytes(bytes(data))
-    line = _refuted(audit_report(report_dir), "exactness/tiny")
+    line = _refuted(audit(report_dir), "exactness/tiny")
     assert f"SubjectMismatchError: logits/{victim.name} has digest" in line
     assert "kvgraft-audit-" not in line  # the temporary copy's path never leaks into the report
 
@@ -239,13 +264,13 @@ def test_altered_logits_are_refused(tmp_path: Path) -> None:
 
 def test_cli_audit_prints_one_line_per_number_and_exit_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     report_dir = build_report(tmp_path)
-    assert main(["audit", str(report_dir)]) == ExitCode.OK
+    assert main(["audit", str(report_dir), *outside_options(report_dir)]) == ExitCode.OK
     out, err = capsys.readouterr()
     lines = out.splitlines()
     assert err == ""
     assert all(line.startswith("CONFIRMED ") for line in lines[:-1]), lines
     assert lines[-1] == f"OK: audit of {report_dir}: all {len(lines) - 1} checks confirmed"
-    assert main(["--json", "audit", str(report_dir)]) == ExitCode.OK
+    assert main(["--json", "audit", str(report_dir), *outside_options(report_dir)]) == ExitCode.OK
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] is True and doc["refuted"] == [] and len(doc["confirmed"]) == len(lines) - 1
 
@@ -256,7 +281,7 @@ def test_cli_audit_refuted_is_exit_1_with_one_stderr_line(tmp_path: Path, capsys
             item["extracted_answer"] = None
 
     report_dir = build_report(tmp_path, edit_item=flip)
-    assert main(["audit", str(report_dir)]) == ExitCode.FAILED
+    assert main(["audit", str(report_dir), *outside_options(report_dir)]) == ExitCode.FAILED
     out, err = capsys.readouterr()
     assert "REFUTED evaluations/gsm8k: ClaimMismatchError: item 0 (doc 0): extracted_answer claimed null" in out
     assert err.splitlines() == [f"kvgraft-verify: AuditRefuted: audit of {report_dir}: 1 refuted, {out.count('CONFIRMED ')} confirmed"]
@@ -274,3 +299,56 @@ def test_cli_audit_of_a_missing_folder_is_one_line(tmp_path: Path, capsys: pytes
     assert main(["audit", str(tmp_path / "nowhere")]) == ExitCode.FAILED
     err = capsys.readouterr().err
     assert err.startswith("kvgraft-verify: MalformedInputError: report folder ") and len(err.splitlines()) == 1
+
+
+# --- trust from outside the folder (issue 37) ------------------------------------------------------
+
+
+def test_audit_regression_keys_inside_the_folder_were_trusted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Was: the folder's own trusted-keys.json and registry-key.pub.pem were the audit's trust, so
+    # a forger's key labelled "alice" beside the forger's records gave "CONFIRMED ... signed by
+    # alice" and exit 0. Now what rests only on keys from inside the folder is UNCONFIRMED.
+    forged = build_report(tmp_path / "forger")
+    report = audit_report(forged)
+    lines = _lines(report)
+    assert report.refuted == (), lines
+    assert "UNCONFIRMED artifacts/prefix signed by alice" in lines
+    assert any(line.startswith("UNCONFIRMED replays/r1 log order") for line in lines), lines
+    assert report.inside_keys == ("trusted-keys.json", "registry-key.pub.pem")
+    # Only plain file digests (the datasets) are confirmed without outside keys.
+    assert report.confirmed and all(line.what.startswith("datasets/") for line in report.confirmed), lines
+    with pytest.raises(UnknownKeyError, match="rest only on trusted-keys.json and registry-key.pub.pem from inside the folder"):
+        report.require_all_confirmed()
+
+    assert main(["audit", str(forged)]) == ExitCode.FAILED
+    out, err = capsys.readouterr()
+    assert "CONFIRMED artifacts/prefix signed by" not in out.replace("UNCONFIRMED", "")
+    assert out.splitlines()[-1].startswith(f"UNCONFIRMED: audit of {forged}: ")
+    assert err.startswith(f"kvgraft-verify: AuditUnconfirmed: audit of {forged}: ") and len(err.splitlines()) == 1
+    assert "pass --trusted-keys FILE (the publishers' keys, from them) and --registry-key PEM" in err
+
+    # With the real alice's keys from outside, the forger's signatures are refused by name.
+    real = make_publisher(tmp_path / "real")
+    assert main(["audit", str(forged), "--trusted-keys", str(real.trust_file)]) == ExitCode.FAILED
+    out, err = capsys.readouterr()
+    assert "REFUTED artifacts/prefix: UnknownKeyError: " in out
+    assert "CONFIRMED artifacts/prefix signed by" not in out
+    assert err.startswith("kvgraft-verify: AuditRefuted: ")
+
+
+def test_audit_regression_registry_key_inside_the_folder_was_trusted(tmp_path: Path) -> None:
+    report_dir = build_report(tmp_path)
+    keys = tmp_path / "keys"
+    # Publisher keys from outside, the registry key only from inside: the log checks are unconfirmed.
+    report = audit_report(report_dir, trusted_keys=load_trusted_keys(keys / "alice-trusted-keys.json"))
+    assert report.refuted == ()
+    assert report.inside_keys == ("registry-key.pub.pem",)
+    assert "CONFIRMED artifacts/prefix signed by alice" in _lines(report)
+    assert any(line.render().startswith("UNCONFIRMED artifacts/prefix log inclusion, index") for line in report.unconfirmed)
+    with pytest.raises(UnknownKeyError, match="rest only on registry-key.pub.pem from inside the folder"):
+        report.require_all_confirmed()
+    # A forger's checkpoint and registry key in the folder are refused against the real key.
+    Log().publish(report_dir)
+    report = audit(report_dir)
+    assert "LogProofError" in _refuted(report, "checkpoint.txt")
+    assert not any("log inclusion" in line.what for line in report.confirmed)

@@ -99,7 +99,9 @@ def test_kvgraft_verify_eval_and_audit_run_there(verifier_env: Path, tmp_path: P
     ok = _run(verifier_env, verify, "eval", str(record), "--dataset", str(GSM8K), "--trusted-keys",
               str(report / "trusted-keys.json"), cwd=tmp_path)
     assert ok.returncode == 0 and ok.stdout.startswith("OK: evaluation of "), ok.stderr
-    audited = _run(verifier_env, verify, "audit", str(report), cwd=tmp_path)
+    from .test_audit import outside_options
+
+    audited = _run(verifier_env, verify, "audit", str(report), *outside_options(report), cwd=tmp_path)
     assert audited.returncode == 0 and "REFUTED" not in audited.stdout, audited.stdout + audited.stderr
     out = record / "outputs.jsonl"
     out.write_bytes(out.read_bytes().replace(b"Working", b"working", 1))

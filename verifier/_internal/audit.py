@@ -2,8 +2,14 @@
 evaluation and replay in it, and every number its summary claims.
 
 The audit does not stop at the first failure: each record is checked on its own and the
-result is a list of lines, ``CONFIRMED <what> <value>`` or ``REFUTED <what>: <why>``. The
-layout is in docs/records.md.
+result is a list of lines, ``CONFIRMED <what> <value>``, ``UNCONFIRMED <what> <value>`` or
+``REFUTED <what>: <why>``. The layout is in docs/records.md.
+
+Trust comes from outside the folder. A folder's own ``trusted-keys.json`` and
+``registry-key.pub.pem`` are whatever its author put there: whoever forged the records would put
+their own keys beside them. So the auditor passes the publishers' keys (``trusted_keys``) and the
+registry's key (``registry_key``) it got elsewhere; a check that rests only on a key from inside
+the folder still runs, and passes as UNCONFIRMED, never CONFIRMED.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from kvgraft.schemas import (
 )
 
 from .dsse import parse_envelope, verify_statement_envelope
-from .errors import ClaimMismatchError, LogProofError, MalformedInputError, VerificationError
+from .errors import ClaimMismatchError, LogProofError, MalformedInputError, UnknownKeyError, VerificationError
 from .evaluation import MAX_ENVELOPE_BYTES, verify_evaluation_record
 from .exactness import verify_exactness_record
 from .files import read_input
@@ -54,15 +60,23 @@ _MAX_SUMMARY_BYTES = 16 << 20
 
 @dataclass(frozen=True)
 class AuditLine:
-    """One audited number or check: confirmed with its value, or refuted with the reason."""
+    """One audited number or check: it held, with its value, or it was refuted, with the reason.
+
+    ``vouched`` is False for a check that held but rests on a key taken from inside the folder
+    (its ``trusted-keys.json`` or ``registry-key.pub.pem``): UNCONFIRMED, not CONFIRMED.
+    """
 
     confirmed: bool
     what: str
     detail: str
+    vouched: bool = True
 
     def render(self) -> str:
-        """The line as printed: ``CONFIRMED <what> <value>`` or ``REFUTED <what>: <why>``."""
-        return f"CONFIRMED {self.what} {self.detail}" if self.confirmed else f"REFUTED {self.what}: {self.detail}"
+        """The line as printed: ``CONFIRMED <what> <value>``, ``UNCONFIRMED <what> <value>`` or
+        ``REFUTED <what>: <why>``."""
+        if not self.confirmed:
+            return f"REFUTED {self.what}: {self.detail}"
+        return f"{'CONFIRMED' if self.vouched else 'UNCONFIRMED'} {self.what} {self.detail}"
 
 
 @dataclass(frozen=True)
@@ -72,10 +86,18 @@ class AuditReport:
     directory: Path
     lines: tuple[AuditLine, ...]
 
+    #: The keys from inside the folder that unconfirmed lines rest on (file names), if any.
+    inside_keys: tuple[str, ...] = ()
+
     @property
     def confirmed(self) -> tuple[AuditLine, ...]:
-        """The confirmed lines."""
-        return tuple(line for line in self.lines if line.confirmed)
+        """The confirmed lines: held, and vouched for by keys from outside the folder."""
+        return tuple(line for line in self.lines if line.confirmed and line.vouched)
+
+    @property
+    def unconfirmed(self) -> tuple[AuditLine, ...]:
+        """The lines that held, but only by a key from inside the folder."""
+        return tuple(line for line in self.lines if line.confirmed and not line.vouched)
 
     @property
     def refuted(self) -> tuple[AuditLine, ...]:
@@ -83,15 +105,32 @@ class AuditReport:
         return tuple(line for line in self.lines if not line.confirmed)
 
     def require_all_confirmed(self) -> None:
-        """Raise ``ClaimMismatchError`` unless something was checked and nothing was refuted."""
+        """Raise ``ClaimMismatchError`` if anything was refuted, ``UnknownKeyError`` if anything
+        rests only on keys from inside the folder, ``MalformedInputError`` if nothing was checked."""
         if self.refuted:
             first = self.refuted[0]
             raise ClaimMismatchError(
                 f"the audit of {self.directory} refuted {len(self.refuted)} of {len(self.lines)} checks, "
                 f"first {first.what}: {first.detail}"
             )
+        if self.unconfirmed:
+            raise UnknownKeyError(
+                f"the audit of {self.directory} left {len(self.unconfirmed)} of {len(self.lines)} checks unconfirmed: "
+                f"they rest only on {' and '.join(self.inside_keys)} from inside the folder, which whoever wrote it chose",
+                hint=outside_keys_hint(self.inside_keys),
+            )
         if not self.confirmed:
             raise MalformedInputError(f"the audit of {self.directory} checked nothing", hint="pass a report folder (see docs/records.md)")
+
+
+def outside_keys_hint(inside: tuple[str, ...]) -> str:
+    """What to pass instead of the folder's own ``inside`` key files."""
+    wanted = []
+    if TRUSTED_KEYS_FILE in inside:
+        wanted.append("--trusted-keys FILE (the publishers' keys, from them)")
+    if REGISTRY_KEY_FILE in inside:
+        wanted.append("--registry-key PEM (the registry's key, from its operator or your pinned copy)")
+    return f"pass {' and '.join(wanted)}, got from outside the folder"
 
 
 def _show(value: object) -> str:
@@ -122,15 +161,26 @@ def _same(claimed: object, actual: object) -> bool:
 @dataclass
 class _Auditor:
     root: Path
+    #: The publishers' keys and the registry's key from outside the folder (None: the folder's own).
+    outside_keys: TrustedKeys | None = None
+    outside_registry_key: Path | None = None
     lines: list[AuditLine] = field(default_factory=list)
     trusted: TrustedKeys | None = None
     checkpoint: Checkpoint | None = None
     datasets: dict[Sha256Digest, Dataset] = field(default_factory=dict)
     #: relative record dir -> its verified predicate as JSON, for the summary's claims.
     predicates: dict[str, Any] = field(default_factory=dict)
+    #: relative record dir -> whether its lines were vouched for (its claims are no better).
+    vouched: dict[str, bool] = field(default_factory=dict)
 
-    def ok(self, what: str, value: object) -> None:
-        self.lines.append(AuditLine(True, what, value if isinstance(value, str) else _show(value)))
+    def vouches(self, *, keys: bool, log: bool) -> bool:
+        # A check resting on the publishers' keys, the registry's key, or both is vouched for
+        # only when each came from outside the folder.
+        return (not keys or self.outside_keys is not None) and (not log or self.outside_registry_key is not None)
+
+    def ok(self, what: str, value: object, *, keys: bool = True, log: bool = False) -> None:
+        shown = value if isinstance(value, str) else _show(value)
+        self.lines.append(AuditLine(True, what, shown, vouched=self.vouches(keys=keys, log=log)))
 
     def refute(self, what: str, why: str) -> None:
         self.lines.append(AuditLine(False, what, " ".join(why.split())))
@@ -154,19 +204,35 @@ class _Auditor:
 
     # -- shared inputs ------------------------------------------------------------------
 
+    def inside_keys(self) -> tuple[str, ...]:
+        """The key files from inside the folder that the audit used (unconfirmed lines rest on them)."""
+        inside = [TRUSTED_KEYS_FILE] if self.outside_keys is None else []
+        if self.outside_registry_key is None and self.checkpoint is not None:
+            inside.append(REGISTRY_KEY_FILE)
+        return tuple(inside)
+
     def load_inputs(self) -> None:
-        with self.check(TRUSTED_KEYS_FILE):
-            self.trusted = load_trusted_keys(self.root / TRUSTED_KEYS_FILE)
-            self.ok(TRUSTED_KEYS_FILE, f"{len(self.trusted.keys)} key(s): {', '.join(k.name for k in self.trusted.keys)}")
+        if self.outside_keys is not None:
+            self.trusted = self.outside_keys
+            self.ok("trusted keys (given)", f"{len(self.trusted.keys)} key(s): {', '.join(k.name for k in self.trusted.keys)}")
+        else:
+            with self.check(TRUSTED_KEYS_FILE):
+                self.trusted = load_trusted_keys(self.root / TRUSTED_KEYS_FILE)
+                self.ok(
+                    f"{TRUSTED_KEYS_FILE} (from inside the folder)",
+                    f"{len(self.trusted.keys)} key(s): {', '.join(k.name for k in self.trusted.keys)}",
+                )
         if (self.root / CHECKPOINT_FILE).exists():
+            key_file = self.outside_registry_key or self.root / REGISTRY_KEY_FILE
+            shown = "the given registry key" if self.outside_registry_key else f"{REGISTRY_KEY_FILE} (from inside the folder)"
             with self.check(CHECKPOINT_FILE):
-                self.checkpoint = load_checkpoint(self.root / CHECKPOINT_FILE, self.root / REGISTRY_KEY_FILE)
-                self.ok(f"{CHECKPOINT_FILE} signed by {REGISTRY_KEY_FILE}, size", self.checkpoint.size)
+                self.checkpoint = load_checkpoint(self.root / CHECKPOINT_FILE, key_file)
+                self.ok(f"{CHECKPOINT_FILE} signed by {shown}, size", self.checkpoint.size, keys=False, log=True)
         for path in sorted((self.root / REPORT_DATASETS_DIR).glob("*.jsonl")):
             with self.check(self.rel(path)):
                 ds = load_dataset(path)
                 self.datasets[ds.digest] = ds
-                self.ok(f"{self.rel(path)} digest", ds.digest)
+                self.ok(f"{self.rel(path)} digest", ds.digest, keys=False)
 
     def log_inclusion(self, record_dir: Path, envelope: Path, *, required: bool = False) -> int | None:
         proof = record_dir / LOG_PROOF_FILE
@@ -181,7 +247,7 @@ class _Auditor:
                 )
             data = read_input(envelope, "envelope", limit=MAX_ENVELOPE_BYTES)
             index = verify_log_proof(data, proof, self.checkpoint, what=self.rel(envelope))
-            self.ok(f"{what}, index", index)
+            self.ok(f"{what}, index", index, keys=False, log=True)
             return index
         return None
 
@@ -267,13 +333,14 @@ class _Auditor:
             if self.checkpoint is None:
                 raise LogProofError(f"a replay needs the log's order, but the report has no verified {CHECKPOINT_FILE}")
             verified = verify_replay(d, prereg, self.keys(), self.checkpoint)
-            self.ok(f"{name} signed by", ", ".join(verified.signers))
-            self.ok(f"{name} answers", self.rel(prereg))
-            self.ok(f"{name} log inclusion, index", verified.log_index)
-            self.ok(f"{name} log order", f"pre-registration at {verified.pre_registration_log_index} < replay at {verified.log_index}")
-            self.ok(f"{name} outputs", verified.outputs)
-            self.ok(f"{name} reproduced", verified.reproduced)
+            self.ok(f"{name} signed by", ", ".join(verified.signers), log=True)
+            self.ok(f"{name} answers", self.rel(prereg), log=True)
+            self.ok(f"{name} log inclusion, index", verified.log_index, log=True)
+            self.ok(f"{name} log order", f"pre-registration at {verified.pre_registration_log_index} < replay at {verified.log_index}", log=True)
+            self.ok(f"{name} outputs", verified.outputs, log=True)
+            self.ok(f"{name} reproduced", verified.reproduced, log=True)
             self.predicates[name] = verified.statement.model_dump(mode="json", by_alias=True)["predicate"]
+            self.vouched[name] = self.vouches(keys=True, log=True)
 
     def summary(self) -> None:
         path = self.root / SUMMARY_FILE
@@ -302,18 +369,25 @@ class _Auditor:
                     raise ClaimMismatchError(
                         f"the summary claims {_show(claim['value'])}, but {source} {path_} is {_show(actual)}"
                     )
-                self.ok(what, claim["value"])
+                # A claim is as good as the record it reads.
+                self.lines.append(AuditLine(True, what, _show(claim["value"]), vouched=self.vouched.get(source, self.vouches(keys=True, log=False))))
 
 
-def audit_report(directory: Path) -> AuditReport:
-    """Audit the report folder at ``directory``; return every line confirmed or refuted.
+def audit_report(
+    directory: Path, *, trusted_keys: TrustedKeys | None = None, registry_key: Path | None = None
+) -> AuditReport:
+    """Audit the report folder at ``directory``; return every line confirmed, unconfirmed or refuted.
 
-    Raises ``MalformedInputError`` only when ``directory`` is not a folder; every other failure
-    is a refuted line.
+    ``trusted_keys`` (the publishers' keys) and ``registry_key`` (the registry's Ed25519 public
+    key, PEM) are what the auditor got from outside the folder; without them the folder's own
+    ``trusted-keys.json`` and ``registry-key.pub.pem`` are used, and every check resting on them
+    is UNCONFIRMED (``AuditReport.unconfirmed``). A record signed only by a key that is not in
+    ``trusted_keys`` is REFUTED. Raises ``MalformedInputError`` only when ``directory`` is not a
+    folder; every other failure is a refuted line.
     """
     if not directory.is_dir():
         raise MalformedInputError(f"report folder {directory} does not exist or is not a directory")
-    a = _Auditor(directory)
+    a = _Auditor(directory, outside_keys=trusted_keys, outside_registry_key=registry_key)
     a.load_inputs()
     found = {kind: a.records(kind) for kind in RECORD_KINDS}
     if not any(found.values()):
@@ -332,4 +406,4 @@ def audit_report(directory: Path) -> AuditReport:
     for d in found["replays"]:
         a.replay(d, preregs)
     a.summary()
-    return AuditReport(directory, tuple(a.lines))
+    return AuditReport(directory, tuple(a.lines), a.inside_keys())
