@@ -10,9 +10,18 @@ A library directory::
 Deposit runs each (problem, solution) pair through the model once, after the shared prefix,
 and only when the verifier's grader confirms the solution's final answer against the dataset's
 key. Ask finds an entry (the normalized problem's sha256 first, then TF-IDF cosine over words),
-grafts prefix + entry at their own positions, and decodes only what is missing: for a deposited
-problem, the few tokens that restate the final answer; for a new problem, the new solution with
-the retrieved worked example in context. The store grows without bound on disk; memory holds one
+grafts prefix + entry at their own positions, and decodes only what is missing. Every answer has a
+kind (``AnswerKind``):
+
+- ``recalled``: a deposited problem. The model restates the final answer in a few tokens (at
+  most ``RECALL_MAX_TOKENS``), and the answer returned is the entry's verified one, whatever it
+  restated;
+- ``assisted``: a new problem at least ``GRAFT_THRESHOLD`` similar to an entry, whose worked
+  solution is grafted as context; the answer is the model's, unverified;
+- ``unassisted``: nothing similar enough; the model answers after the instruction alone.
+
+A model's answer is extracted only from a finished decode (EOS, or the solution's own end): a
+decode cut off by the budget has none. The store grows without bound on disk; memory holds one
 entry's KV at a time plus the index.
 
 Trust: the index only points. Every artifact grafted is verified against trusted keys first,
@@ -41,6 +50,7 @@ from kvgraft.schemas import (
     LIBRARY_FILE,
     LIBRARY_INDEX_FILE,
     LIBRARY_PREFIX_DIR,
+    AnswerKind,
     AnswerMethod,
     DeterminismProfile,
     DocumentError,
@@ -69,6 +79,11 @@ INSTRUCTION = (
 RECALL_SUFFIX = "The final answer to the problem above is \\boxed{"
 #: How much a deposited problem's answer may cost at most.
 RECALL_MAX_TOKENS = 16
+#: The least similarity (``Hit.score``, TF-IDF cosine) at which a similar entry is grafted as
+#: context (answer kind ``assisted``); below it the model answers unassisted. Calibrated by
+#: scripts/calibrate_graft_threshold.py on paraphrases of deposited problems against unrelated
+#: questions (docs/library.md gives the measured precision and recall).
+GRAFT_THRESHOLD = 0.66
 
 _WORD = re.compile(r"[a-z0-9]+")
 #: Entries scored per similarity lookup (at least; all holders of the rarest shared word).
@@ -193,6 +208,24 @@ class Hit:
     score: float
 
 
+def grafted_hit(hit: Hit | None, threshold: float) -> Hit | None:
+    """The one rule of what is grafted for a lookup's ``hit``: an exact hit (a recall) and an
+    entry the caller fixed always; a similar entry only when its score is at least
+    ``threshold`` (``GRAFT_THRESHOLD`` unless the library was opened with another); otherwise
+    nothing, and the model answers unassisted."""
+    if hit is None or hit.method != "similar" or hit.score >= threshold:
+        return hit
+    return None
+
+
+def answer_kind(hit: Hit | None) -> AnswerKind:
+    """The kind of an answer given with ``hit`` grafted (``grafted_hit``'s result): a recall for an
+    exact hit, assisted for any other entry, unassisted for none."""
+    if hit is None:
+        return "unassisted"
+    return "recalled" if hit.method == "exact" else "assisted"
+
+
 @dataclass
 class _TextIndex:
     """TF-IDF over words with an inverted index: a query scores only entries sharing its rarer words."""
@@ -278,9 +311,14 @@ def worked_solution(dataset: Dataset, index: int) -> str | None:
 
 @dataclass(frozen=True)
 class Answer:
-    """What ``ask`` reports."""
+    """What ``ask`` reports. ``kind`` says what ``answer`` is (``AnswerKind``): for a recall the
+    verified answer of the deposited problem (``text`` is then its answer box, ``\\boxed{A}``, not
+    the model's decoding); otherwise the model's, unverified, and only when the decode finished
+    (``finished``; a decode cut off by the budget or the window has ``answer`` None)."""
 
     question: str
+    kind: AnswerKind
+    finished: bool
     answer: str | None
     text: str
     prompt: str
@@ -295,14 +333,16 @@ class Answer:
     energy_method: str
     #: How the grafted artifacts' signatures were checked: ``verified: <signers>`` or ``skipped (...)``.
     signature: str = ""
-    #: Why decoding ended (``ops.StopReason``: eos, stop, window, max_new_tokens); not in ``to_json``.
+    #: Why decoding ended (``ops.StopReason``: eos, stop, window, max_new_tokens).
     stopped_by: str = ""
+    #: The sampling seed (None: greedy decoding).
+    seed: int | None = None
 
     def provenance(self) -> Provenance:
         """Where the answer came from, as the engine server sends it (the wire's ``kvgraft``
         object); score and seconds rounded to 6 places."""
         return Provenance(
-            entry=self.entry, method=self.method, signature=self.signature, score=round(self.score, 6),
+            kind=self.kind, finished=self.finished, stopped_by=self.stopped_by, seed=self.seed, entry=self.entry, method=self.method, signature=self.signature, score=round(self.score, 6),
             prompt_tokens=self.prompt_tokens, decode_tokens=self.decode_tokens, context_tokens=self.context_tokens,
             seconds=round(self.seconds, 6), energy_joules=self.energy_joules, energy_method=self.energy_method,
             answer=self.answer,
@@ -368,7 +408,7 @@ class Plan:
 
     question: str
     #: The dataset kind the answer is extracted by.
-    kind: str
+    kind_of_problems: str
     hit: Hit | None
     artifact: LoadedArtifact
     #: The suffix's tokens, run after the artifact.
@@ -379,6 +419,13 @@ class Plan:
     head: str
     #: The whole prompt's text: every grafted artifact's signed text, then the suffix.
     prompt: str
+    #: The lookup's best similarity, reported when its entry was not grafted (below the threshold).
+    best_score: float = 0.0
+
+    @property
+    def kind(self) -> AnswerKind:
+        """What the answer will be (``answer_kind``)."""
+        return answer_kind(self.hit)
 
     def job(self, stop: Callable[[str], bool] | None = None) -> DecodeJob:
         """The decoding to run, ``stop`` (on the answer's text) OR-ed with the plan's own rule.
@@ -391,17 +438,34 @@ class Plan:
         the same rule."""
         return self.head + decoded.text
 
-    def answer(self, decoded: Decoded, *, seconds: float, energy_joules: float, energy_method: str) -> Answer:
-        """The ``Answer`` of this plan decoded."""
-        text = self.output(decoded)
+    def finished(self, decoded: Decoded) -> bool:
+        """Whether ``decoded`` is a whole answer: it ended at the model's EOS or by the plan's own
+        rule (a closed answer box, the next problem begun), not by the budget, the window or a
+        caller's stop (a stop string, a deadline)."""
+        return decoded.stopped_by == "eos" or (decoded.stopped_by == "stop" and self.own(decoded.text))
+
+    def answer(self, decoded: Decoded, *, seconds: float, energy_joules: float, energy_method: str,
+               seed: int | None = None) -> Answer:
+        """The ``Answer`` of this plan decoded. A recall answers the entry's verified answer (its
+        signed text states it; ``Library.load_entry`` checked that against the index), whatever
+        the model restated; any other answer is extracted from the decoded text, and only from a
+        finished decode."""
         hit = self.hit
+        kind = self.kind
+        if kind == "recalled" and hit is not None:
+            answer: str | None = hit.entry.answer
+            text, finished = "\\boxed{" + hit.entry.answer + "}", True
+        else:
+            text, finished = self.output(decoded), self.finished(decoded)
+            answer = extract_answer(self.kind_of_problems, text) if finished else None
         return Answer(
-            question=self.question, answer=extract_answer(self.kind, text), text=text, prompt=self.prompt,
-            entry=hit.entry.artifact if hit else None, method=hit.method if hit else "none", score=hit.score if hit else 0.0,
+            question=self.question, kind=kind, finished=finished, answer=answer, text=text, prompt=self.prompt,
+            entry=hit.entry.artifact if hit else None, method=hit.method if hit else "none",
+            score=hit.score if hit else self.best_score,
             prompt_tokens=len(self.ids), decode_tokens=len(decoded.tokens),
             context_tokens=self.artifact.statement.predicate.positions.end + len(self.ids),
             seconds=seconds, energy_joules=energy_joules, energy_method=energy_method,
-            signature=self.artifact.signature, stopped_by=decoded.stopped_by,
+            signature=self.artifact.signature, stopped_by=decoded.stopped_by, seed=seed,
         )
 
 
@@ -413,8 +477,9 @@ def ask_model(model: LoadedModel, profile: DeterminismProfile, question: str, *,
               stop: Callable[[str], bool] | None = None) -> Answer:
     """The model's own greedy answer to ``question``, with no library: the question's tokens
     (after BOS) on an empty state, decoded until EOS, ``max_new_tokens`` or ``stop`` (called
-    after every token with the text so far). Method ``none``, no entry, no extracted answer
-    (there is no dataset kind to read one by), signature ``NOTHING_GRAFTED``."""
+    after every token with the text so far). Kind ``unassisted``, method ``none``, no entry, no
+    extracted answer (there is no dataset kind to read one by), signature ``NOTHING_GRAFTED``;
+    finished only when it ended at EOS."""
     t0 = time.perf_counter()
     energy = EnergyMeter(_parameters(model))
     energy.start()
@@ -425,7 +490,8 @@ def ask_model(model: LoadedModel, profile: DeterminismProfile, question: str, *,
     decoded = continue_from(model, profile, None, ids, max_new_tokens=max_new_tokens, keep_eos=False, stop=stop)
     joules, method = energy.stop(len(ids) + len(decoded.tokens))
     return Answer(
-        question=question, answer=None, text=decoded.text, prompt=question, entry=None, method="none", score=0.0,
+        question=question, kind="unassisted", finished=decoded.stopped_by == "eos", answer=None, text=decoded.text,
+        prompt=question, entry=None, method="none", score=0.0,
         prompt_tokens=len(ids), decode_tokens=len(decoded.tokens), context_tokens=len(ids),
         seconds=time.perf_counter() - t0, energy_joules=joules, energy_method=method, signature=NOTHING_GRAFTED,
         stopped_by=decoded.stopped_by,
@@ -459,8 +525,15 @@ class Library:
     """
 
     def __init__(self, directory: Path, model: LoadedModel, profile: DeterminismProfile, meta: dict[str, Any],
-                 entries: list[Entry], trusted: TrustedKeys | None, *, insecure_skip_verify: bool = False) -> None:
+                 entries: list[Entry], trusted: TrustedKeys | None, *, insecure_skip_verify: bool = False,
+                 graft_threshold: float = GRAFT_THRESHOLD) -> None:
         _require_trust(directory, trusted, insecure_skip_verify)
+        if not 0.0 <= graft_threshold <= 1.0:
+            raise LibraryError(f"the graft threshold {graft_threshold} is not a similarity between 0 and 1",
+                               hint=f"pass {GRAFT_THRESHOLD} (the calibrated one), 0 to graft the most similar entry always, "
+                               "or 1 to graft only exact matches")
+        #: The least similarity at which a similar entry is grafted (``grafted_hit``).
+        self.graft_threshold = graft_threshold
         self.directory = directory
         self.model = model
         self.profile = profile
@@ -504,17 +577,19 @@ class Library:
 
     @classmethod
     def open(cls, directory: Path, model: LoadedModel, profile: DeterminismProfile, *,
-             trusted: TrustedKeys | None = None, insecure_skip_verify: bool = False) -> Library:
+             trusted: TrustedKeys | None = None, insecure_skip_verify: bool = False,
+             graft_threshold: float = GRAFT_THRESHOLD) -> Library:
         """Open an existing library for ``model`` and ``profile`` (both must be the library's).
 
         ``trusted``: the keys every grafted artifact must be signed by. Without them opening is
         refused (``NoTrustedKeysError``) unless ``insecure_skip_verify=True`` says to skip.
+        ``graft_threshold``: the least similarity at which a similar entry is grafted.
         """
         meta = read_meta(directory)
         require_library_match(directory, meta, model=model.spec.name, profile=profile.name)
         _require_trust(directory, trusted, insecure_skip_verify)  # before the index is read
         return cls(directory, model, profile, meta, list(read_index(directory)), trusted,
-                   insecure_skip_verify=insecure_skip_verify)
+                   insecure_skip_verify=insecure_skip_verify, graft_threshold=graft_threshold)
 
     # --- deposit ---------------------------------------------------------------------------------
 
@@ -630,8 +705,9 @@ class Library:
 
     def ask(self, question: str, *, max_new_tokens: int = 256, use_similar: bool = True,
             stop: Callable[[str], bool] | None = None) -> Answer:
-        """Answer ``question`` from the library: recall for a deposited problem, a grafted worked
-        example for a new one, or (no entry) the instruction prefix alone.
+        """Answer ``question`` from the library: recall for a deposited problem (``recalled``), a
+        grafted worked example for a new one similar enough (``assisted``), or the instruction
+        prefix alone (``unassisted``: no entry at or above ``graft_threshold``).
 
         ``stop``: called after every decoded token with the answer's text so far (what
         ``Answer.text`` would be: a recall's opening ``\\boxed{`` included); true ends decoding,
@@ -661,7 +737,10 @@ class Library:
         grafted (verified and checked against the index here), the suffix after it and its
         stop rule. ``hit`` None: the instruction prefix alone; method ``exact``: a recall;
         any other method (``similar``, or ``fixed`` for an entry the caller chose): the entry
-        as a worked example before the question."""
+        as a worked example before the question. A similar hit below ``graft_threshold`` is not
+        grafted (``grafted_hit``): the instruction prefix alone, its score kept as ``best_score``."""
+        best_score = hit.score if hit is not None else 0.0
+        hit = grafted_hit(hit, self.graft_threshold)
         if hit is None:
             artifact = self.prefix()
             suffix, budget, own, head = question_text(question), max_new_tokens, stop_after_boxed, ""
@@ -675,8 +754,8 @@ class Library:
         _check_window(self.model, artifact.statement.predicate.positions.end, ids)
         # Every text in the chain is signed and present: prefix() and load_entry() compared them.
         prompt = "".join(a.statement.predicate.source_text.text or "" for a in artifact.chain) + suffix
-        return Plan(question=question, kind=self.meta["kind"], hit=hit, artifact=artifact, ids=ids, budget=budget,
-                    own=own, head=head, prompt=prompt)
+        return Plan(question=question, kind_of_problems=self.meta["kind"], hit=hit, artifact=artifact, ids=ids, budget=budget,
+                    own=own, head=head, prompt=prompt, best_score=best_score)
 
     @property
     def stored_tokens(self) -> int:

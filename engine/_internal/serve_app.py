@@ -83,7 +83,7 @@ from .errors import (
     RouteNotFoundError,
     ServerStoppingError,
 )
-from .library import Answer, Library, ask_model, lookup_all
+from .library import Answer, Library, answer_kind, ask_model, grafted_hit, lookup_all
 from .models import LoadedModel, load_model
 from .profiles import current_profile
 from .serve import LOGGER, ServeConfig
@@ -182,6 +182,8 @@ class _Job:
         self.error: EngineServerError | None = None
         self.method = "none"
         self.entry: str | None = None
+        #: What the answer is (``AnswerKind``), known once the lookup ran, before decoding.
+        self.kind = "unassisted"
         #: The text streamed so far (written by the worker's thread, read once it is done).
         self.sent = ""
         self._first_token = True
@@ -221,7 +223,9 @@ class _Job:
             self.timed_out = True
             return True
         visible, hit = self.cut(text)
-        if self.stream:
+        # A recall's text is its verified answer box, sent whole at the end: what the model
+        # restates on the way is never streamed as if it were the verified answer.
+        if self.stream and self.kind != "recalled":
             ready = visible if hit else _held_back(visible, self.stops)
             if len(ready) > len(self.sent) and ready.startswith(self.sent):
                 delta, self.sent = ready[len(self.sent):], ready
@@ -243,8 +247,10 @@ class _Job:
             if served.libraries:
                 found = lookup_all(served.libraries, self.question)
                 library, hit = found if found is not None else (served.libraries[0], None)
-                if hit is not None:
-                    self.method, self.entry = hit.method, hit.entry.artifact
+                grafted = grafted_hit(hit, library.graft_threshold)
+                self.kind = answer_kind(grafted)
+                if grafted is not None:
+                    self.method, self.entry = grafted.method, grafted.entry.artifact
                 self.answer = library.answer(self.question, hit, max_new_tokens=self.max_tokens, stop=self.on_token)
             else:
                 self.answer = ask_model(served.model, served.profile, self.question, max_new_tokens=self.max_tokens,
@@ -445,7 +451,8 @@ def _result(job: _Job) -> Answer:
 
 
 def _finish_reason(job: _Job, answer: Answer) -> FinishReason:
-    if job.cut(answer.text)[1] or answer.stopped_by in ("eos", "stop"):
+    # A recall's text is the whole verified answer, however many tokens the model's restating took.
+    if job.cut(answer.text)[1] or answer.stopped_by in ("eos", "stop") or answer.kind == "recalled":
         return "stop"
     return "length"
 
@@ -470,7 +477,7 @@ def _error_body(error: EngineServerError) -> ErrorBody:
 
 
 def _provenance_headers(job: _Job) -> dict[str, str]:
-    return {"X-Kvgraft-Method": job.method, "X-Kvgraft-Entry": job.entry or "none"}
+    return {"X-Kvgraft-Kind": job.kind, "X-Kvgraft-Method": job.method, "X-Kvgraft-Entry": job.entry or "none"}
 
 
 async def _answer(request: Request[Any, Any, Any], question: tuple[str, str], req: ChatCompletionRequest | CompletionRequest,

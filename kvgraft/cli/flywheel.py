@@ -136,13 +136,46 @@ def _open_library(args: argparse.Namespace, *, asked_model: str | None = None, a
     return Library.open(args.library, model, profile, trusted=trust.keys, insecure_skip_verify=trust.skip)
 
 
+#: What the text says in place of an answer the grader could not extract (never ``None``).
+NO_ANSWER = "none found (the output holds no final answer the grader can read)"
+
+
+def shown_answer(answer: str | None) -> str:
+    """An extracted answer as a line shows it: the answer, or ``NO_ANSWER`` when there is none."""
+    return NO_ANSWER if answer is None or not str(answer).strip() else str(answer)
+
+
+#: Why a decode that did not finish ended, in words (``Provenance.stopped_by``).
+_CUT_OFF = {
+    "max_new_tokens": "cut off by the token budget (raise --max-new-tokens)",
+    "window": "cut off at the model's context window",
+    "stop": "stopped before its end (a deadline or stop string)",
+}
+
+
 def _ask_summary(result: dict[str, Any]) -> str:
-    """The line ``ask`` prints: the answer and its provenance (``Answer.to_json``'s fields)."""
-    return (
-        f"answer: {result['answer']} ({result['method']} entry {result['entry']}; {result['prompt_tokens']} prompt + "
-        f"{result['decode_tokens']} decode tokens on {result['context_tokens'] - result['prompt_tokens']} grafted; "
-        f"{result['seconds']:.3f} s; {result['energy_joules']:.3g} J {result['energy_method']})"
-    )
+    """The line ``ask`` prints (``Answer.to_json``'s fields), by the answer's kind: a recall says
+    ``recalled (verified)``; a model's answer is always ``unverified``, says whether a verified
+    entry assisted it, and a decode that did not finish says so instead of showing an answer."""
+    cost = (f"{result['prompt_tokens']} prompt + {result['decode_tokens']} decode tokens on "
+            f"{result['context_tokens'] - result['prompt_tokens']} grafted; {result['seconds']:.3f} s; "
+            f"{result['energy_joules']:.3g} J {result['energy_method']}")
+    if result["kind"] == "recalled":
+        return (f"recalled (verified): {result['answer']} (the deposited problem's checked answer, entry "
+                f"{result['entry']}, signature {result['signature']}; {cost})")
+    if result["finished"]:
+        head = f"unverified answer: {shown_answer(result['answer'])}"
+    else:
+        head = f"no answer: the model's decode was {_CUT_OFF.get(result['stopped_by'], 'not finished')}; nothing was extracted"
+    if result["kind"] == "assisted":
+        how = (f"assisted: the model's own answer, with the similar verified entry {result['entry']} "
+               f"(similarity {result['score']:.3f}) grafted as context")
+    elif result["score"] > 0:
+        how = (f"unassisted: the model alone; the most similar entry (similarity {result['score']:.3f}) is below the "
+               "graft threshold, so none was grafted")
+    else:
+        how = "unassisted: the model alone"
+    return f"{head} ({how}; {cost})"
 
 
 #: The longest question file read: a question is a paragraph (the server's limit is 256 Ki characters).

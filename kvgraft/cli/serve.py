@@ -132,6 +132,7 @@ def _cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
             max_publish_queue=args.max_publish_queue,
             max_publish_queue_bytes=args.max_publish_queue_bytes,
             database=args.database,
+            adopt_database_head=args.adopt_database_head,
         )
     except ValueError as e:
         raise CliError(
@@ -299,6 +300,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     serve.add_argument("--blob-store-moved", action="store_true",
                        help="every blob was copied to the store given now (--blob-store, or none for DATA/blobs): record it "
                        "as the log's blob store instead of refusing to start on another one than before")
+    serve.add_argument("--adopt-database-head", action="store_true",
+                       help="with --database: a data directory without signed-head.json takes the database's log head "
+                       "as its own (once, logged); only for a new server joining a database known to be current")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
     token = sub.add_parser("token", help="create, list and revoke publishing tokens")

@@ -52,6 +52,15 @@ FinishReason = Literal["stop", "length"]
 #: ``fixed``: the one entry an evaluation grafts before every problem (``kvgraft eval
 #: --library-entry``; the engine server never answers so).
 AnswerMethod = Literal["exact", "similar", "none", "fixed"]
+#: What an answer is (issue 39), the one word every surface shows it by:
+#:
+#: - ``recalled``: the question is a deposited problem; the answer is the verified one its entry's
+#:   signed text states (the grader confirmed it against the dataset's key at deposit);
+#: - ``assisted``: a verified entry was grafted as context (a similar problem, at or above the
+#:   library's similarity threshold); the answer is the model's own, unverified;
+#: - ``unassisted``: nothing was grafted but the instruction (or nothing at all); the answer is
+#:   the model's own, unverified.
+AnswerKind = Literal["recalled", "assisted", "unassisted"]
 
 
 class EngineRequest(BaseModel):
@@ -128,10 +137,20 @@ class Provenance(EngineWire):
     similarity (1.0 for exact, 0 for none). ``prompt_tokens``: tokens run for this request (the
     question, or the recall's short suffix); ``context_tokens``: those plus the grafted ones;
     ``decode_tokens``: tokens decoded. ``seconds``: the model worker's time on the request.
-    ``energy_joules`` is ``measured`` (RAPL) or ``estimated`` (from FLOPs). ``answer``: the final
-    answer extracted from the decoded text by the library's dataset kind (None without one).
+    ``energy_joules`` is ``measured`` (RAPL) or ``estimated`` (from FLOPs).
+
+    ``kind`` (``AnswerKind``) says what ``answer`` is: for ``recalled`` the verified answer of the
+    deposited problem; otherwise the model's, unverified, extracted by the library's dataset kind
+    only from a finished decode (``finished``: it ended at the model's EOS or the library's own
+    end of a solution), else None. ``stopped_by`` says why decoding ended (``eos``, ``stop``,
+    ``window``, ``max_new_tokens``): a decode cut off by the budget or the window is not finished
+    and has no answer. ``seed``: the sampling seed, None for greedy decoding.
     """
 
+    kind: AnswerKind
+    finished: bool
+    stopped_by: str
+    seed: int | None = None
     entry: Annotated[str, Field(pattern=DIGEST_PATTERN)] | None
     method: AnswerMethod
     signature: str

@@ -146,3 +146,59 @@ def test_smollm2_answers_deposited_aime_problems_in_few_tokens(tmp_path: Path, p
         answer = lib.ask(dataset.question(i))
         assert (answer.method, answer.answer) == ("exact", dataset.reference(i)), answer
         assert answer.decode_tokens <= 16
+
+
+# --- answer kinds (issue 39) -------------------------------------------------------------------------
+
+
+def test_answer_kinds_regression_a_guess_is_never_shown_as_a_verified_answer(tiny_library) -> None:  # type: ignore[no-untyped-def]
+    # Was: "What is 2+2?" got an unrelated entry grafted at similarity 0.2, and the last number of
+    # a decode cut off by the budget came back as `answer`, in the shape of a verified recall.
+    from kvgraft.engine._internal.library import GRAFT_THRESHOLD
+
+    lib, dataset = tiny_library
+    # A deposited problem: recalled, the verified answer (right even though the tiny model's restating is noise).
+    recalled = lib.ask(dataset.question(2))
+    assert (recalled.kind, recalled.method, recalled.finished) == ("recalled", "exact", True)
+    assert recalled.answer == dataset.reference(2) and recalled.text == "\\boxed{" + dataset.reference(2) + "}"
+    assert 1 <= recalled.decode_tokens <= 16 and recalled.to_json()["kind"] == "recalled"
+    # Unrelated questions: nothing grafted, the model alone; never recalled.
+    for question in ("What is 2+2?", "Write a haiku about the sea.", "How many clips are there?"):
+        answer = lib.ask(question, max_new_tokens=4)
+        assert (answer.kind, answer.method, answer.entry) == ("unassisted", "none", None), question
+        assert answer.score < GRAFT_THRESHOLD and answer.context_tokens > answer.prompt_tokens  # the instruction only
+        # Cut off by the budget: no answer extracted from the unfinished text.
+        assert (answer.finished, answer.stopped_by, answer.answer) == (False, "max_new_tokens", None), question
+    # A paraphrase of a deposited problem: its verified entry assists; the answer is the model's.
+    assisted = lib.ask(dataset.question(0) + " Please answer quickly.", max_new_tokens=3)
+    assert (assisted.kind, assisted.method, assisted.entry) == ("assisted", "similar", lib.entries[0].artifact)
+    assert assisted.score >= GRAFT_THRESHOLD and assisted.answer is None and not assisted.finished
+
+
+def test_graft_threshold_is_the_librarys_and_refuses_nonsense(tiny_library, tiny, profile) -> None:  # type: ignore[no-untyped-def]
+    from kvgraft.engine import LibraryError
+    from kvgraft.engine._internal.library import Library
+
+    lib, dataset = tiny_library
+    question = dataset.question(0) + " Please answer quickly."
+    strict = Library.open(lib.directory, tiny, profile, trusted=lib.trusted, graft_threshold=1.0)
+    plan = strict.plan(question, strict.lookup(question), max_new_tokens=2)
+    assert plan.hit is None and plan.kind == "unassisted" and 0.9 < plan.best_score < 1.0
+    assert strict.ask(dataset.question(0)).kind == "recalled"  # an exact hit is never thresholded
+    with pytest.raises(LibraryError, match="graft threshold 1.5 is not a similarity between 0 and 1") as e:
+        Library.open(lib.directory, tiny, profile, trusted=lib.trusted, graft_threshold=1.5)
+    assert e.value.hint is not None and "the calibrated one" in e.value.hint
+
+
+def test_graft_threshold_calibration_holds(tmp_path: Path) -> None:
+    """The committed threshold, measured by its calibration script on held-out paraphrases and unrelated questions."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "threshold.json"
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "calibrate_graft_threshold.py"), "--deposited", "300",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    held_out = json.loads(out.read_text())["held_out_at_library_threshold"]
+    assert held_out["precision"] >= 0.98 and held_out["recall"] >= 0.9, held_out
+    assert held_out["by_kind"]["everyday_grafted"] == 0 and held_out["by_kind"]["aime2025_grafted"] == 0, held_out
