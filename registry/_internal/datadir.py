@@ -8,7 +8,7 @@
     DATA/blobs/tmp/             uploads in progress (emptied at start)
     DATA/blobs/quarantine/      blobs found damaged, as <hex>.<UTC timestamp> (never served; see blobs.py)
     DATA/admin.json             while a server runs: its URL and admin secret (0600)
-    DATA/signed-head.json       the last tree head the registry signed, kept outside DuckDB
+    DATA/signed-head.json       the largest tree head this directory's processes signed or served, kept outside the database
                                 so that a rolled-back database is refused (see service.py)
     DATA/.signed-head.lock      flock'ed while signed-head.json is written (it never moves back)
 """
@@ -22,6 +22,7 @@ import os
 import re
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from kvgraft.verifier import (
 
 from .blobconfig import parse_blob_store_url
 from .db import Database
-from .errors import ConfigError, DataDirError
+from .errors import ConfigError, DataDirError, LogRollbackError
 
 KEY_FILE = "registry-key.pem"
 PUBLIC_KEY_FILE = "registry-key.pub.pem"
@@ -268,7 +269,7 @@ class SignedHead:
     checkpoint: bytes
 
 
-def write_signed_head(data: DataDir, head: SignedHead) -> bool:
+def write_signed_head(data: DataDir, head: SignedHead, *, root_at: Callable[[int], bytes] | None = None) -> bool:
     """Replace ``signed-head.json`` atomically and durably: temp file, fsync, rename, fsync of the directory.
 
     A crash leaves the old file or the new one, never a mix; once this returns, the new head
@@ -280,6 +281,12 @@ def write_signed_head(data: DataDir, head: SignedHead) -> bool:
     the lease and appended, or a follower starting with the head it read a moment ago, would
     otherwise write an older head over a newer one, and a database rolled back to that older
     size would then pass the start-up check. Returns whether the file was written.
+
+    Never accepts a different tree either: a head at the file's size with another root, or
+    (given ``root_at``, the root of the caller's tree at a size up to ``head.tree_size``) one
+    whose tree does not hold the file's tree as its prefix, raises ``LogRollbackError`` and
+    writes nothing. The file is the largest tree any process of this directory signed or
+    served; a head that does not extend it is a fork.
     """
     doc = {
         "origin": head.origin,
@@ -295,8 +302,21 @@ def write_signed_head(data: DataDir, head: SignedHead) -> bool:
             current = read_signed_head(data)
         except DataDirError:
             current = None  # unreadable: replaced by a good head (the start-up check refuses it otherwise)
-        if current is not None and current.tree_size > head.tree_size:
-            return False
+        if current is not None:
+            if current.tree_size > head.tree_size:
+                return False
+            if current.tree_size == head.tree_size:
+                forked = current.root_hash != head.root_hash
+            else:
+                forked = root_at is not None and root_at(current.tree_size) != current.root_hash
+            if forked:
+                raise LogRollbackError(
+                    f"this registry already signed or served the tree of size {current.tree_size} with root "
+                    f"{current.root_hash.hex()} ({SIGNED_HEAD_FILE}), and the database's tree of size {head.tree_size} "
+                    "does not extend it: the database was rolled back or replaced; serving it would fork the log",
+                    hint=f"restore the database from a backup taken at tree size {current.tree_size} or later; never "
+                    f"delete {SIGNED_HEAD_FILE} to get past this: clients that saw size {current.tree_size} would see a fork",
+                )
         # The one atomic writer; its temp files are the ``.signed-head.json.*.tmp`` removed below.
         write_atomic(data.signed_head_path, (json.dumps(doc, indent=2) + "\n").encode("utf-8"), 0o600)
         return True

@@ -276,7 +276,7 @@ class Registry:
                 # The database must agree with itself, then with the head saved outside it, before
                 # anything is signed (an empty database gets checkpoint 0 signed here).
                 stored = _stored_head(db, log)
-                saved = _check_signed_head(data, db, log)
+                saved = _check_signed_head(data, db, log, adopt=settings.adopt_database_head)
                 head = stored if stored is not None else _sign_empty(db, log)
                 _advance_signed_head(data, db, log, head, saved)
                 logger.info("registry %s: log %s at size %d (%s)", root, origin, log.size, db.dialect.name)
@@ -387,8 +387,10 @@ class Registry:
 
         A process that does not sequence only (else a no-op). Reads the newest checkpoint within reach, then
         the leaf hashes up to its size (committed with it, so all there), appends them to the
-        tree, and announces that checkpoint once its root matches the tree and its note
-        verifies with the registry key. Returns whether the head moved. Raises
+        tree, and announces that checkpoint once its root matches the tree, its note
+        verifies with the registry key and it is saved to ``signed-head.json`` (fsynced: a
+        follower refuses, at its next start too, a database behind what it served). Returns
+        whether the head moved. Raises
         ``LogRollbackError`` when the database no longer holds this process's head (it was
         rolled back: serving it would fork the log), ``LogIntegrityError`` when its entries
         do not make the checkpoint's root.
@@ -407,7 +409,7 @@ class Registry:
                     raise LogRollbackError(
                         f"the database no longer holds the tree of size {head.size} this server handed out: "
                         "it was rolled back or replaced; serving it would fork the log",
-                        hint="restore the database from a backup taken at that tree size or later",
+                        hint=_restore_hint(self.db, head.size),
                     )
             newest = queries.newest_checkpoint(self.db, log.size + max_leaves)
             size = -1 if newest is None else newest.tree_size
@@ -415,7 +417,7 @@ class Registry:
                 raise LogRollbackError(
                     f"the database's newest checkpoint is at tree size {size}, but this server already handed out "
                     f"size {head.size}: the database was rolled back; serving it would fork the log",
-                    hint="restore the database from a backup taken at that tree size or later",
+                    hint=_restore_hint(self.db, head.size),
                 )
             if newest is None or size == head.size:
                 return False
@@ -432,8 +434,24 @@ class Registry:
             try:
                 verify_checkpoint(note, log.origin, log.public_key, origin=log.origin)
             except (LogProofError, MalformedInputError) as e:
+                self.log.truncate(known)
                 raise LogIntegrityError(f"the checkpoint at tree size {size} does not verify with the registry key: {e.message}") from e
-            self._head = LogHead(size=size, root_hash=root, note=note)
+            new = LogHead(size=size, root_hash=root, note=note)
+            # Saved outside the database before it is served, as the sequencer saves what it signs: a
+            # database restored from an older copy is then refused by this process too, after a restart.
+            try:
+                write_signed_head(self.data, _signed(log.origin, new), root_at=log.root)
+            except OSError as e:
+                self.log.truncate(known)
+                raise SignedHeadWriteError(
+                    f"the tree head at size {size} could not be saved to {SIGNED_HEAD_FILE} ({e.strerror}); it is not "
+                    "served until it is",
+                    hint="make the data directory writable (and free disk space)",
+                ) from e
+            except LogRollbackError:
+                self.log.truncate(known)
+                raise
+            self._head = new
         # ``on_new_head`` is not called: witnesses are the sequencer's to submit to (its own batches call it).
         logger.debug("caught up with the log to tree size %d", size)
         return True
@@ -448,7 +466,7 @@ class Registry:
         with self.db.lock, self.db.log_held():
             while self.catch_up():
                 pass
-            saved = _check_signed_head(self.data, self.db, self.log)
+            saved = _check_signed_head(self.data, self.db, self.log, adopt=False)
             _advance_signed_head(self.data, self.db, self.log, self._head, saved)
             return self._head.size
 
@@ -663,7 +681,7 @@ class Registry:
             if head is None or head.size <= self._head.size:
                 return
             try:
-                write_signed_head(self.data, _signed(self.log.origin, head))
+                write_signed_head(self.data, _signed(self.log.origin, head), root_at=self.log.root)
             except OSError as e:
                 what = "the entry was recorded but its signed tree head could not be saved"
                 raise storage_error(e, what) or SignedHeadWriteError(f"{what} ({e.strerror})") from e
@@ -783,7 +801,7 @@ class Registry:
             # durable outside the database too; if that write fails the entries stay recorded but
             # unannounced, and the next batch (or restart) announces them with its successor.
             try:
-                write_signed_head(self.data, _signed(self.log.origin, head))
+                write_signed_head(self.data, _signed(self.log.origin, head), root_at=self.log.root)
             except OSError as e:
                 logger.error("entries %d to %d committed, but %s could not be written: %s", first, head.size - 1, SIGNED_HEAD_FILE, e)
                 what = "the entry was recorded but its signed tree head could not be saved"
@@ -1045,8 +1063,21 @@ def _signed(origin: str, head: LogHead) -> SignedHead:
     return SignedHead(origin=origin, tree_size=head.size, root_hash=head.root_hash, checkpoint=head.note)
 
 
-def _check_signed_head(data: DataDir, db: Database, log: TransparencyLog) -> SignedHead | None:
-    """Refuse a database behind, or different from, the last tree head this registry signed.
+def _restore_hint(db: Database, size: int) -> str:
+    """How to recover from a database behind the signed head of ``size``, in the words of its engine."""
+    what = (
+        "the PostgreSQL database (pg_restore, or your provider's point-in-time recovery)"
+        if db.dialect.shared
+        else "registry.duckdb (with its .wal)"
+    )
+    return (
+        f"restore {what} from a backup taken at tree size {size} or later; never delete {SIGNED_HEAD_FILE} to get "
+        f"past this: clients that saw size {size} would see a fork"
+    )
+
+
+def _check_signed_head(data: DataDir, db: Database, log: TransparencyLog, *, adopt: bool) -> SignedHead | None:
+    """Refuse a database behind, or different from, the last tree head this registry signed or served.
 
     Returns the saved head (None when there is none yet: a new data directory, or one made
     before heads were saved). Raises ``LogRollbackError`` (one line: what happened, how to
@@ -1054,50 +1085,65 @@ def _check_signed_head(data: DataDir, db: Database, log: TransparencyLog) -> Sig
     differs, or the file was removed from a database that had written one.
 
     A shared (PostgreSQL) database: other processes may be writing the file of a data directory
-    they share at this moment (their temp files are left alone while fresh), and a data
-    directory new to the database adopts the database's head (each process guards the head it
-    serves, the sequencer the file it writes; docs/registry.md).
+    they share at this moment (their temp files are left alone while fresh). A data directory
+    without the file, on a database whose log has entries, cannot tell a live database from one
+    restored from an older copy: it is refused unless ``adopt`` (``kvgraft serve
+    --adopt-database-head``), which trusts the database's head once, loudly (docs/registry.md).
     """
     shared = db.dialect.shared
     remove_stale_head_temps(data, min_age=_SHARED_TEMP_AGE if shared else 0.0)
     saved = read_signed_head(data)
     if saved is None:
-        if shared:
-            logger.warning("%s: no %s yet; adopting the database's head", data.root, SIGNED_HEAD_FILE)
-        elif db.get_meta(_HEAD_FILE_META) is not None:
+        if shared and log.size > 0:
+            if not adopt:
+                raise LogRollbackError(
+                    f"{data.root} has no {SIGNED_HEAD_FILE}, but the shared database already holds a log of {log.size} "
+                    "entries: a data directory new to it cannot tell whether that database was rolled back, and "
+                    "serving it would then fork the log",
+                    hint=f"copy {SIGNED_HEAD_FILE} from a running server's data directory; or, for a new server "
+                    "joining a database you know is current, start it once with --adopt-database-head; if the "
+                    f"file was deleted, restore it from a backup instead",
+                )
+            logger.warning(
+                "ADOPTING the shared database's log head as this data directory's (--adopt-database-head): "
+                "tree size %d, root %s, saved to %s; from now on this server refuses any database behind it",
+                log.size, log.root().hex(), data.root / SIGNED_HEAD_FILE,
+            )
+        elif not shared and db.get_meta(_HEAD_FILE_META) is not None:
             raise LogRollbackError(
                 f"{SIGNED_HEAD_FILE} is missing from the data directory, but this database has written one: "
                 "without it the registry cannot tell whether the database was rolled back",
                 hint=f"restore {SIGNED_HEAD_FILE} from the backup registry.duckdb came from; do not start without it",
             )
         return None
+    backup = "the PostgreSQL database" if shared else "registry.duckdb"
     try:
         checkpoint = verify_checkpoint(saved.checkpoint, log.origin, log.public_key, origin=log.origin)
     except (LogProofError, MalformedInputError) as e:
         raise LogRollbackError(
             f"{SIGNED_HEAD_FILE} holds a checkpoint that does not verify as this log's ({log.origin}): {e.message}",
-            hint=f"restore {SIGNED_HEAD_FILE} from the same backup as registry.duckdb and the registry key",
+            hint=f"restore {SIGNED_HEAD_FILE} from the same backup as {backup} and the registry key",
         ) from e
     if (checkpoint.size, checkpoint.root_hash) != (saved.tree_size, saved.root_hash) or saved.origin != log.origin:
         raise LogRollbackError(
             f"{SIGNED_HEAD_FILE} names tree size {saved.tree_size} (log {saved.origin!r}), but its signed "
             f"checkpoint is for size {checkpoint.size} of log {log.origin!r}",
-            hint=f"restore {SIGNED_HEAD_FILE} from the same backup as registry.duckdb",
+            hint=f"restore {SIGNED_HEAD_FILE} from the same backup as {backup}",
         )
+    lost = "(an older copy restored)" if shared else "(a deleted or truncated WAL, an older copy restored)"
     if log.size < checkpoint.size:
         raise LogRollbackError(
-            f"the database holds {log.size} log entries, but this registry already signed a checkpoint at tree size "
-            f"{checkpoint.size} ({SIGNED_HEAD_FILE}): the database was rolled back or lost committed writes "
-            "(a deleted or truncated WAL, an older copy restored); serving it would fork the log",
-            hint=f"restore registry.duckdb (with its .wal) from a backup taken at tree size {checkpoint.size} or "
-            f"later; never delete {SIGNED_HEAD_FILE} to get past this: clients that saw size {checkpoint.size} "
-            "would see a fork",
+            f"the database holds {log.size} log entries, but this registry already signed a checkpoint at "
+            f"tree size {checkpoint.size} ({SIGNED_HEAD_FILE}): the database was rolled back or lost committed writes "
+            f"{lost}; serving it would fork the log",
+            hint=_restore_hint(db, checkpoint.size),
         )
     if log.root(checkpoint.size) != checkpoint.root_hash:
         raise LogRollbackError(
             f"the database's first {checkpoint.size} log entries have root {log.root(checkpoint.size).hex()}, but this "
             f"registry signed root {checkpoint.root_hash.hex()} at that size ({SIGNED_HEAD_FILE}): the database holds "
-            "a different log; serving it would fork the log"
+            "a different log; serving it would fork the log",
+            hint=_restore_hint(db, checkpoint.size),
         )
     return saved
 
@@ -1108,7 +1154,7 @@ def _advance_signed_head(
     """Save the database's head when it is ahead of (or there is no) ``signed-head.json``."""
     if saved is None or saved.tree_size != head.size:
         try:
-            write_signed_head(data, _signed(log.origin, head))
+            write_signed_head(data, _signed(log.origin, head), root_at=log.root)
         except OSError as e:
             raise SignedHeadWriteError(
                 f"the signed tree head could not be saved to {SIGNED_HEAD_FILE}: {e.strerror}",

@@ -118,6 +118,10 @@ class RegistrySettings:
     #: PostgreSQL URL (``postgresql://USER@HOST:PORT/DBNAME``) that several server processes
     #: share, one of them sequencing the log at a time (db.py, cluster.py).
     database: str | None = None
+    #: On a shared (PostgreSQL) database: a data directory without ``signed-head.json`` takes the
+    #: database's head as its own, once, loudly (a new server joining). Without it such a start is
+    #: refused: the directory cannot tell a current database from one restored from an older copy.
+    adopt_database_head: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -164,5 +168,7 @@ class RegistrySettings:
             raise ValueError(f"RegistrySettings.blob_store_moved must be a bool, got {self.blob_store_moved!r}")
         if self.database is not None and not (isinstance(self.database, str) and self.database.startswith(POSTGRES_SCHEMES)):
             raise ValueError("RegistrySettings.database must be a postgresql:// URL or None (the DuckDB file)")
+        if not isinstance(self.adopt_database_head, bool):
+            raise ValueError(f"RegistrySettings.adopt_database_head must be a bool, got {self.adopt_database_head!r}")
         if not isinstance(self.s3, S3Settings):
             raise ValueError(f"RegistrySettings.s3 must be an S3Settings, got {self.s3!r}")

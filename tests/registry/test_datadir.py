@@ -11,7 +11,7 @@ import pytest
 
 from kvgraft.registry import RegistrySettings
 from kvgraft.registry._internal.admin import admin_session
-from kvgraft.registry._internal.datadir import DataDir, read_signed_head, write_signed_head
+from kvgraft.registry._internal.datadir import DataDir, SignedHead, read_signed_head, write_signed_head
 from kvgraft.registry._internal.db import MIGRATIONS, Database, Migration
 from kvgraft.registry._internal.errors import (
     AdminUnavailableError,
@@ -19,6 +19,7 @@ from kvgraft.registry._internal.errors import (
     DatabaseLockedError,
     DataDirError,
     LogIntegrityError,
+    LogRollbackError,
     SchemaVersionError,
 )
 from kvgraft.registry._internal.log import TransparencyLog
@@ -182,3 +183,26 @@ def test_stale_signed_head_write_cannot_move_the_head_back(tmp_path: Path, keys:
     assert saved is not None and saved.tree_size == 4
     # A newer head is still written (the same size too: the start-up check compares its root).
     assert write_signed_head(DataDir(data), saved) is True
+
+
+def test_a_different_tree_at_a_saved_size_was_written_over_the_head_regression_signed_head_fork(
+    kat_log: TransparencyLog, tmp_path: Path
+) -> None:
+    """Was: a head of the saved size with another root, or a larger tree that does not hold the saved
+    one, replaced signed-head.json (a fork any process sharing the directory could write). Now
+    refused, and the file is left as it was."""
+    data = DataDir(tmp_path)
+    head = kat_log.sign(4)
+    saved = SignedHead(kat_log.origin, 4, head.root_hash, head.note)
+    assert write_signed_head(data, saved, root_at=kat_log.root) is True
+    before = data.signed_head_path.read_bytes()
+    with ephemeral_signing_key(generate_private_key()) as key:
+        other = TransparencyLog(kat_log.origin, key, [hash_leaf(b"another %d" % i) for i in range(6)])
+        for size in (4, 6):
+            forked = other.sign(size)
+            with pytest.raises(LogRollbackError, match=r"already signed or served the tree of size 4 .* does not extend it"):
+                write_signed_head(data, SignedHead(kat_log.origin, size, forked.root_hash, forked.note), root_at=other.root)
+    assert data.signed_head_path.read_bytes() == before
+    # The same tree, grown, is written.
+    grown = kat_log.sign(6)
+    assert write_signed_head(data, SignedHead(kat_log.origin, 6, grown.root_hash, grown.note), root_at=kat_log.root) is True

@@ -30,7 +30,7 @@ import pytest
 from kvgraft.registry.client import CheckpointMemory, RegistryClient, registry_key
 from kvgraft.schemas import sha256_bytes
 from kvgraft.verifier import hash_leaf, verify_checkpoint, verify_inclusion
-from tests.registry.conftest import Artifact, Key, Server, artifact, registry_cli
+from tests.registry.conftest import Artifact, Key, Server, artifact, free_port, registry_cli
 from tests.registry.postgres import PostgresServer
 
 #: The longest a lease left by a killed sequencer may take to change hands (its tries are 0.5 s apart).
@@ -495,3 +495,106 @@ def test_fsck_of_a_postgres_database_that_is_not_a_registry_says_so(postgres: Po
     rc, report, stderr = _cli_json("fsck", "--data", data, "--database", postgres.database())
     assert rc == 1, report
     assert "is not a registry database kvgraft can check" in stderr and "kvgraft serve --data DIR --database URL" in stderr
+
+
+# --- issue 37: the log cannot fork through a follower, a fresh data directory or a restore ----------
+
+
+def _serve_refused(data: Path, url: str, *extra: str) -> str:
+    """``kvgraft serve`` on ``data`` and ``url`` must refuse to start: one line, no traceback; that line."""
+    done = registry_cli("serve", "--data", data, "--database", url, "--port", str(free_port()), *extra, timeout=120)
+    out = (done.stdout + done.stderr).strip()
+    assert done.returncode != 0, out
+    assert "Traceback" not in out and len(out.splitlines()) == 1, out
+    return out
+
+
+def _head_file_size(data: Path) -> int:
+    return int(json.loads((data / "signed-head.json").read_text())["tree_size"])
+
+
+def test_a_follower_signed_a_fork_after_the_database_was_restored_regression_postgres_log_fork(
+    postgres: PostgresServer, tmp_path: Path, keys: dict[str, Key]
+) -> None:
+    """Was: a follower never saved the heads it served, and a data directory without signed-head.json
+    adopted the database's head with a warning. Restored from an older copy, the database was then
+    taken by a restarted follower, which signed a second, different tree at a size already signed.
+    Now every process saves what it serves before serving it, and refuses to go below it; a new data
+    directory needs --adopt-database-head."""
+    url = postgres.database()
+    name = url.rsplit("/", 1)[1]
+    alice = keys["alice"]
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+
+    def copy_key(to: Path) -> None:
+        to.mkdir(mode=0o700)
+        for f in ("registry-key.pem", "registry-key.pub.pem"):
+            (to / f).write_bytes((a / f).read_bytes())
+            (to / f).chmod(0o600)
+
+    def both() -> tuple[Server, Server]:
+        first = Server(a, tmp_path / "a.log", "--database", url)
+        first.wait_ready()
+        second = Server(b, tmp_path / "b.log", "--database", url)
+        second.wait_ready()
+        return first, second
+
+    # A sequencer and a follower, each on a data directory of its own (the same registry key).
+    first = Server(a, tmp_path / "a0.log", "--database", url)
+    first.wait_ready()
+    copy_key(b)
+    second = Server(b, tmp_path / "b0.log", "--database", url)  # the log is empty: nothing to adopt
+    try:
+        second.wait_ready()
+        token = _token(a, url, "alice", alice)
+        for i in range(2):
+            assert _publish(first, token, artifact(f"before the copy {i}"), alice).status_code == 201
+    finally:
+        second.stop()
+        first.stop()
+    # The older copy: the database at tree size 2.
+    with psycopg.connect(postgres.url(), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}_copy" TEMPLATE "{name}"')
+
+    first, second = both()
+    try:
+        for i in range(3):
+            assert _publish(first, token, artifact(f"after the copy {i}"), alice).status_code == 201
+        deadline = time.monotonic() + 10
+        while httpx.get(second.url + "/v1/log/key", timeout=10).json()["tree_size"] != 5:
+            assert time.monotonic() < deadline, "the follower did not serve tree size 5"
+            time.sleep(0.05)
+        # The follower saved the head it serves, in its own data directory, before serving it.
+        assert _head_file_size(b) == 5
+
+        # A new data directory on a database with a log is refused, naming the explicit step ...
+        copy_key(c)
+        line = _serve_refused(c, url)
+        assert f"{c} has no signed-head.json, but the shared database already holds a log of 5 entries" in line
+        assert "--adopt-database-head" in line and "copy signed-head.json from a running server's data directory" in line
+        assert not (c / "signed-head.json").exists()
+        # ... which adopts the head loudly, and saves it.
+        adopter = Server(c, tmp_path / "c.log", "--database", url, "--adopt-database-head")
+        try:
+            adopter.wait_ready()
+        finally:
+            adopter.stop()
+        assert "ADOPTING the shared database's log head" in (tmp_path / "c.log").read_text()
+        assert _head_file_size(c) == 5
+    finally:
+        second.stop()  # the follower goes first: it never held the lease
+        first.stop()
+
+    # The database is restored from the older copy (tree size 2).
+    with psycopg.connect(postgres.url(), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{name}_copy"')
+
+    # No process signs a tree of a size already signed: the follower, the sequencer and the adopter refuse.
+    for data in (b, a, c):
+        line = _serve_refused(data, url)
+        assert "the database holds 2 log entries, but this registry already signed a checkpoint at tree size 5" in line
+        assert "restore the PostgreSQL database" in line and "registry.duckdb" not in line, line
+        assert _head_file_size(data) == 5
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SELECT max(tree_size) FROM checkpoints").fetchone() == (2,)

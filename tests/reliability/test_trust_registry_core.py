@@ -442,6 +442,8 @@ def test_a_database_holding_a_different_tree_of_the_signed_size_is_refused(
     other_root = bytes(range(32))
     with open_signing_key(data / "registry-key.pem") as key:
         note = sign_checkpoint(Checkpoint(origin=origin, size=3, root_hash=other_root), origin, key)
+    # Replacing the file (write_signed_head itself refuses another root at the saved size).
+    (data / HEAD).unlink()
     write_signed_head(DataDir(data), SavedHead(origin=origin, tree_size=3, root_hash=other_root, checkpoint=note))
     with pytest.raises(LogRollbackError, match="the database holds a different log; serving it would fork the log"):
         with Registry.open(data, RegistrySettings()):
