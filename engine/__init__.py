@@ -36,6 +36,7 @@ from ._internal.errors import (
     ProfileMismatchError,
     TrustOptionsError,
     UnknownModelError,
+    UnknownProfileError,
     UnsafeTensorError,
 )
 from ._internal.evaluate import EvalRun, journal_path, run_eval, run_replay, select, write_pre_registration
@@ -106,7 +107,7 @@ __all__ = [
     "EvaluationError", "KernelError", "LibraryError", "PROFILE_ALIASES", "ScheduleError", "prefill", "single_pass",
     "Answer", "ArtifactError", "Captured", "Hit", "Library", "Continuation", "DEFAULT_PROFILE", "EngineError", "InputTextError", "KVState",
     "KV_FILE", "KvFileError", "LoadedArtifact", "LoadedModel", "MODELS", "ModelFileError", "ModelNotInstalledError",
-    "ModelSpec", "PROFILES", "ProfileMismatchError", "STATEMENT_FILE", "Segment", "UnknownModelError", "applied",
+    "ModelSpec", "PROFILES", "ProfileMismatchError", "STATEMENT_FILE", "Segment", "UnknownModelError", "UnknownProfileError", "applied",
     "cache_dir", "capture", "chain_key", "current_profile", "deserialize", "ensure_cached", "ensure_local_key",
     "fresh", "generate", "graft", "is_cached", "is_installed", "kvgraft_home", "load_artifact", "load_model", "local_key_path",
     "locate_gguf", "logits_digest", "read_kv_file", "read_text", "require_same", "serialize", "spec_for", "token_digest",

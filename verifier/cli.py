@@ -28,6 +28,7 @@ from kvgraft.schemas import (
 )
 
 from ._internal.audit import audit_report, outside_keys_hint
+from ._internal.cliparse import HelpFormatter, ToolParser, did_you_mean, examples_text, suggestions, walk
 from ._internal.dsse import read_envelope, verify_envelope, verify_statement_envelope
 from ._internal.errors import DigestMismatchError, MalformedInputError, VerificationError
 from ._internal.evaluation import verify_evaluation_record
@@ -45,6 +46,18 @@ from ._internal.replay import load_checkpoint, verify_replay
 from ._internal.subjects import verify_subjects
 from ._internal.tiles_cli import add_tiles_parser
 from ._internal.tlog_cli import add_log_parser
+
+__all__ = [
+    "COMMAND_GROUPS", "DATASET_HELP", "ExitCode", "HelpFormatter", "ToolParser", "VerifyParser", "build_parser",
+    "did_you_mean", "examples_text", "main", "run", "suggestions", "walk",
+]
+
+#: The dataset formats ``load_dataset`` accepts, for every ``--dataset`` option's help (both tools).
+DATASET_HELP = (
+    "a JSONL file, one problem per line, all of one kind: AIME {\"prompt\": str, \"answer\": int}; "
+    "GSM8K {\"question\": str, \"answer\": \"...#### N\"} (the number after the last ####); "
+    "qa {\"question\": str, \"answer\": str or int}; at most 256 MiB (data/datasets/ holds examples)"
+)
 
 
 class ExitCode(IntEnum):
@@ -289,13 +302,46 @@ def _cmd_verify_bundle(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def build_parser() -> argparse.ArgumentParser:
+class VerifyParser(ToolParser):
+    """``kvgraft-verify``'s parsers: ``--json`` is accepted anywhere on the command line."""
+
+    GLOBAL_OPTIONS = (("--json", "print one JSON object instead of a line"),)
+
+
+#: ``kvgraft-verify --help`` lists the commands under these headings.
+COMMAND_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("signatures", ("envelope", "oms", "verify-bundle")),
+    ("records", ("exactness", "eval", "replay", "audit")),
+    ("logs", ("log", "tiles")),
+)
+
+EXAMPLES: tuple[tuple[str, str], ...] = (
+    ("kvgraft-verify audit report/ --trusted-keys keys.json --registry-key registry.pub.pem",
+     "re-check every record and number of a report folder ('kvgraft report' writes one) against keys from outside it"),
+    ("kvgraft-verify envelope art/statement.dsse.json --trusted-keys trusted-keys.json --artifact-dir art",
+     "an artifact's signature, its files and its token digest"),
+    ("kvgraft-verify --json exactness record --trusted-keys trusted-keys.json",
+     "an exactness record, every hash, KL and argmax recomputed; one JSON object out"),
+)
+
+
+def _version() -> str:
+    # The distribution's version (no import of the kvgraft package's CLI).
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvgraft")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
+def build_parser() -> ToolParser:
     """The argument parser (exposed for the docs and tests)."""
-    parser = argparse.ArgumentParser(
+    parser = VerifyParser.top(
         prog="kvgraft-verify",
         description="Verify kvgraft artifacts, records and Sigstore bundles offline, without the engine.",
+        version=_version(),
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a line")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     env = sub.add_parser("envelope", help="verify a DSSE envelope against trusted keys (and its subjects)")
@@ -351,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="re-check an evaluation record: hashes, grades and aggregates")
     ev.add_argument("record", type=Path, help="the record directory (record.dsse.json and outputs.jsonl)")
-    ev.add_argument("--dataset", type=Path, required=True, help="the dataset JSONL file the evaluation ran on")
+    ev.add_argument("--dataset", type=Path, required=True, help="the dataset the evaluation ran on: " + DATASET_HELP)
     ev.add_argument("--trusted-keys", type=Path, required=True, help="trusted-keys JSON file")
     ev.set_defaults(run=_cmd_eval)
 
@@ -379,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_log_parser(sub)
     add_tiles_parser(sub)
+    parser.set_command_groups(COMMAND_GROUPS, EXAMPLES)
     return parser
 
 

@@ -17,6 +17,12 @@ class UnknownModelError(EngineError):
     default_hint = "run 'kvgraft models list' to see the names"
 
 
+class UnknownProfileError(EngineError):
+    """No determinism profile of that name (or alias) is known."""
+
+    default_hint = "pass one of the profiles the message lists (docs/architecture.md describes them), or leave --profile out"
+
+
 class ModelNotInstalledError(EngineError):
     """The model's PyPI package (and so its GGUF file) is not installed."""
 

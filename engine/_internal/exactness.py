@@ -144,7 +144,9 @@ def run_exactness(
     results: list[ExactnessSample] = []
     with stage:
         pairs = draw_pairs(model, samples, seed, min_tokens=min_tokens, max_tokens=max_tokens, continuation_tokens=continuation_tokens)
-        bar = tqdm(pairs, total=samples, desc=f"exactness {model.spec.name}", unit="sample", disable=not progress, file=sys.stderr)
+        # A bar on a terminal only; a log (stderr not a terminal) gets one plain line per sample instead.
+        lines = progress and not sys.stderr.isatty()
+        bar = tqdm(pairs, total=samples, desc=f"exactness {model.spec.name}", unit="sample", disable=not progress or lines, file=sys.stderr)
         for index, pair in enumerate(bar):
             art_dir = work / f"sample-{index:03d}"
             captured = capture(model, profile, pair.prefix, art_dir, key=key, passphrase=passphrase)
@@ -167,6 +169,9 @@ def run_exactness(
                 logits_files=LogitsFiles(fresh=fd, graft=gd),
             ))
             bar.set_postfix(equal=sum(r.bitwise_equal for r in results), tokens=f.prefix_tokens)
+            if lines:
+                sys.stderr.write(f"kvgraft: exactness {model.spec.name} {index + 1}/{samples}: "
+                                 f"{sum(r.bitwise_equal for r in results)} equal so far ({f.prefix_tokens} prefix tokens)\n")
             if not keep_artifacts:
                 shutil.rmtree(art_dir)
         if keep_artifacts:

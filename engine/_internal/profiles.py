@@ -47,7 +47,7 @@ import transformers
 from kvgraft.schemas import DeterminismProfile, ExactnessLevel, ModelRef, Sha256Digest
 
 from . import fast_attention, invariant
-from .errors import ProfileMismatchError, UnknownModelError
+from .errors import ProfileMismatchError, UnknownModelError, UnknownProfileError
 from .packed_linear import pack_linears
 
 if TYPE_CHECKING:
@@ -352,7 +352,7 @@ def current_profile(name: str | None = None) -> DeterminismProfile:
     try:
         s = PROFILES[name]
     except KeyError as e:
-        raise UnknownModelError(f"no determinism profile named {name!r}; known: {', '.join(PROFILES)}", hint=f"use --profile {DEFAULT_PROFILE} (the default)") from e
+        raise UnknownProfileError(f"no determinism profile named {name!r}; known: {', '.join(PROFILES)}", hint=f"use --profile {DEFAULT_PROFILE} (the default)") from e
     kernel_versions = {"mkldnn": str(torch.backends.mkldnn.is_available()), "openmp": str(torch.backends.openmp.is_available())}
     if s.exactness == "schedule-invariant":
         kernel_versions["kvgraft_invariant"] = invariant.settings_from_tiling(s.matmul_tiling).describe()

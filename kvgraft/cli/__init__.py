@@ -29,15 +29,43 @@ from kvgraft.schemas import KvgraftError
 from . import engine, flywheel, keys, oms, remote, serve, tiles, witness
 from ._common import CliError, print_failure, print_result, top_parser
 
-__all__ = ["CliError", "build_parser", "main", "run"]
+__all__ = ["COMMAND_GROUPS", "CliError", "build_parser", "main", "run"]
+
+
+#: ``kvgraft --help`` lists the commands under these headings (every command in exactly one:
+#: tests/cli/test_help.py checks it).
+COMMAND_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("start here", ("models", "keys", "library", "ask")),
+    ("engine", ("capture", "graft", "generate", "fresh", "single-pass", "exactness", "engine")),
+    ("flywheel", ("eval", "prereg", "replay", "report")),
+    ("registry", ("publish", "pull", "mirror", "sign", "oms", "tiles")),
+    ("admin", ("serve", "token", "key", "fsck", "witness")),
+)
+
+#: The tour of docs/index.md, in ``kvgraft --help``.
+EXAMPLES: tuple[tuple[str, str], ...] = (
+    ("kvgraft library deposit --model smollm2-135m --dataset data/datasets/gsm8k_train.jsonl --limit 8 --library lib",
+     "capture 8 worked solutions the grader confirms as a signed knowledge library"),
+    ("kvgraft ask --library lib --trust-local-key --question 'A robe takes 2 bolts of blue fiber ...'",
+     "answer from the library: graft the closest entry, decode only what is missing"),
+    ("kvgraft capture --model smollm2-135m --text-file notes.txt --out art",
+     "run a text once and keep its KV state as a signed artifact"),
+    ("kvgraft --json graft --artifact art --text-file question.txt --trust-local-key",
+     "restore it at its own positions: logits bit-for-bit equal to a fresh computation"),
+    ("kvgraft publish --registry http://127.0.0.1:8000 art", "publish it to a registry (a token in $KVGRAFT_TOKEN)"),
+    ("kvgraft pull --registry http://127.0.0.1:8000 --out pulled sha256:1f2e3d4c",
+     "pull it back by digest, or by a unique prefix of one; digests, signature and log inclusion checked"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``kvgraft``: every command sets ``run(args) -> dict`` (see ``_common``)."""
-    parser = top_parser(prog="kvgraft", description="Capture, sign, publish and graft KV state.")
+    parser = top_parser(prog="kvgraft", description="Capture, sign, publish and graft KV state: knowledge a frozen "
+                        "model reads once, kept as byte-exact signed artifacts in an audited registry.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for group in (keys, oms, engine, flywheel, serve, remote, tiles, witness):
         group.add_commands(sub)
+    parser.set_command_groups(COMMAND_GROUPS, EXAMPLES)
     return parser
 
 

@@ -14,12 +14,14 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from kvgraft import __version__
 from kvgraft.schemas import KvgraftError
+from kvgraft.verifier.cli import ToolParser, examples_text
 
 #: One command: parsed options in, the result document out (see the module docstring).
 Command = Callable[[argparse.Namespace], dict[str, Any]]
@@ -43,32 +45,21 @@ class CliError(KvgraftError):
         self.result = result
 
 
-# --- global options ------------------------------------------------------------------------------
+# --- the parser ----------------------------------------------------------------------------------
 
 
-def add_global_options(parser: argparse.ArgumentParser, *, default: bool | str) -> None:
-    """The options every command takes, before or after its name (as git, gh and kubectl do)."""
-    parser.add_argument("--json", action="store_true", default=default, help="print one JSON object instead of a line")
+class CommandParser(ToolParser):
+    """The parser of ``kvgraft`` and of each (sub)command: all of them accept the global options
+    anywhere (before or after the command's name, as git, gh and kubectl do); a mistyped command
+    or option gets a "did you mean" (the rules are ``kvgraft.verifier.cli.ToolParser``'s, shared
+    with ``kvgraft-verify``)."""
+
+    GLOBAL_OPTIONS = (("--json", "print one JSON object instead of a line (anywhere on the command line)"),)
 
 
-class CommandParser(argparse.ArgumentParser):
-    """The parser of ``kvgraft`` and of each (sub)command: all of them accept the global options.
-
-    ``add_subparsers`` makes its parsers of this same class, so no command can miss them. Below
-    the top level their default is ``SUPPRESS``: a subcommand sets ``--json`` only when given
-    there, and never resets the value the top level parsed (``kvgraft --json ask ...``).
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        add_global_options(self, default=argparse.SUPPRESS)
-
-
-def top_parser(prog: str, description: str) -> CommandParser:
-    """``kvgraft``'s own parser: the global options default to off here, and only here."""
-    parser = CommandParser(prog=prog, description=description)
-    parser.set_defaults(json=False)
-    return parser
+def top_parser(prog: str, description: str) -> ToolParser:
+    """``kvgraft``'s own parser: the global options default to off here, and only here; ``--version``."""
+    return CommandParser.top(prog=prog, description=description, version=__version__)
 
 
 # --- optional extras -----------------------------------------------------------------------------
@@ -120,10 +111,11 @@ def guarded(command: Command, extra: Extra, *, out_of_memory_hint: str | None = 
 
 def add_command(
     sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, command: Command, *, help: str,
-    extra: Extra | None = None, out_of_memory_hint: str | None = None,
+    extra: Extra | None = None, out_of_memory_hint: str | None = None, examples: Sequence[tuple[str, str]] = (),
 ) -> argparse.ArgumentParser:
-    """Add subcommand ``name`` running ``command`` (guarded when it needs an ``extra``); return its parser."""
-    parser = sub.add_parser(name, help=help)
+    """Add subcommand ``name`` running ``command`` (guarded when it needs an ``extra``); return its
+    parser. ``examples``: (command line, what it does) pairs shown at the end of its ``--help``."""
+    parser = sub.add_parser(name, help=help, epilog=examples_text(examples) if examples else None)
     parser.set_defaults(run=command if extra is None else guarded(command, extra, out_of_memory_hint=out_of_memory_hint))
     return parser
 

@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 
 # --- shared by the engine and flywheel commands ----------------------------------------------------
 
+#: Every ``--model`` option's help.
+MODEL_HELP = "the model (see 'kvgraft models list': smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, ...)"
+#: Every ``--artifact`` option's help.
+ARTIFACT_HELP = "the artifact directory (kv.safetensors and statement.dsse.json, as 'kvgraft capture' or 'kvgraft pull' wrote it)"
+#: The ``--log-level`` choices of the commands that run a server (uvicorn's).
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
+
 
 def add_trust_options(p: argparse.ArgumentParser) -> None:
     """The options that say which keys an artifact must be signed by before it is loaded."""
@@ -265,8 +272,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
     cap = add_command(sub, "capture", _cmd_capture, extra=ENGINE,
                       help="run a text through a model and write its KV state as a signed artifact")
-    cap.add_argument("--model", required=True)
-    cap.add_argument("--text-file", type=Path, required=True)
+    cap.add_argument("--model", required=True, metavar="NAME", help=MODEL_HELP)
+    cap.add_argument("--text-file", type=Path, required=True, metavar="FILE",
+                     help="the knowledge to capture (UTF-8 text; the model's start tokens are added for a root)")
     cap.add_argument("--out", type=Path, required=True, help="the artifact directory to create")
     cap.add_argument("--parent", type=Path, help="an artifact to continue from (a chain)")
     add_key_options(cap)
@@ -275,8 +283,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
     gr = add_command(sub, "graft", _cmd_graft, extra=ENGINE,
                      help="restore an artifact at its own positions and run a continuation")
-    gr.add_argument("--artifact", type=Path, required=True)
-    gr.add_argument("--text-file", type=Path, required=True)
+    gr.add_argument("--artifact", type=Path, required=True, metavar="DIR", help=ARTIFACT_HELP)
+    gr.add_argument("--text-file", type=Path, required=True, metavar="FILE", help="the continuation to run (UTF-8 text)")
     add_profile_option(gr)
     add_trust_options(gr)
 
@@ -285,26 +293,29 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         ("single-pass", _cmd_single_pass, "prefix and continuation in one forward pass (compare under --profile invariant)"),
     ):
         p = add_command(sub, name, command, extra=ENGINE, help=what)
-        p.add_argument("--model", required=True)
-        p.add_argument("--prefix-file", type=Path, required=True)
-        p.add_argument("--text-file", type=Path, required=True)
+        p.add_argument("--model", required=True, metavar="NAME", help=MODEL_HELP)
+        p.add_argument("--prefix-file", type=Path, required=True, metavar="FILE",
+                       help="the prefix, as 'kvgraft capture --text-file' was given it (UTF-8 text)")
+        p.add_argument("--text-file", type=Path, required=True, metavar="FILE", help="the continuation to run (UTF-8 text)")
         add_profile_option(p)
 
     gen = add_command(sub, "generate", _cmd_generate, extra=ENGINE, help="decode greedily from a grafted artifact")
-    gen.add_argument("--artifact", type=Path, required=True)
-    gen.add_argument("--text-file", type=Path, required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--artifact", type=Path, required=True, metavar="DIR", help=ARTIFACT_HELP)
+    gen.add_argument("--text-file", type=Path, required=True, metavar="FILE", help="the prompt after the grafted state (UTF-8 text)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="decode at most N tokens (default 64)")
     add_profile_option(gen)
     add_trust_options(gen)
 
     ex = add_command(sub, "exactness", _cmd_exactness, extra=ENGINE,
                      help="graft vs fresh on N samples of real text; writes a signed exactness record")
-    ex.add_argument("--model", required=True)
-    ex.add_argument("--samples", type=int, default=50)
+    ex.add_argument("--model", required=True, metavar="NAME", help=MODEL_HELP)
+    ex.add_argument("--samples", type=int, default=50, metavar="N",
+                    help="prefix/continuation pairs drawn from the shipped GSM8K and AIME texts (default 50)")
     ex.add_argument("--out", type=Path, required=True, help="the record directory to create")
     ex.add_argument("--shifted", type=int, default=0, metavar="K", help="graft K positions away (approximate, measured)")
-    ex.add_argument("--seed", type=int, default=0)
-    ex.add_argument("--continuation-tokens", type=int, default=8)
+    ex.add_argument("--seed", type=int, default=0, help="the seed the samples are drawn with (default 0)")
+    ex.add_argument("--continuation-tokens", type=int, default=8, metavar="N",
+                    help="tokens run after each prefix, whose logits are compared (default 8)")
     ex.add_argument("--max-prefix-tokens", type=int, help="longest prefix (default: twice the sliding window, or 768)")
     ex.add_argument("--keep-artifacts", action="store_true", help="keep each sample's artifact in OUT-artifacts/")
     add_key_options(ex)
@@ -329,4 +340,4 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                      help="the largest request body; past it 413 (default 1048576)")
     srv.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
                      help="max_tokens of a request that gives none (default 256; a recall stops at 16)")
-    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level (default info)")

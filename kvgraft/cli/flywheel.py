@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvgraft.schemas import LIBRARY_FILE, RECORD_FILE, InvalidDigestError, parse_sha256
+from kvgraft.verifier.cli import DATASET_HELP
 
 from ._common import ENGINE, ENGINE_CLIENT, CliError, add_command, needs, progress
 from .engine import (
+    MODEL_HELP,
     add_key_options,
     add_profile_option,
     add_trust_options,
@@ -253,7 +255,7 @@ def _cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     key, passphrase, _ = signing_key(args)
 
     def item(n: int, total: int, it: EvaluationItem) -> None:
-        progress(not args.json, f"eval {n + 1}/{total}: doc {it.doc_id} answer {it.extracted_answer} "
+        progress(not args.json, f"eval {n + 1}/{total}: doc {it.doc_id} answer {shown_answer(it.extracted_answer)} "
                  f"{'correct' if it.correct else 'wrong'} ({it.decode_tokens} decode tokens)")
 
     fixed = None
@@ -349,14 +351,15 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     lsub = lib.add_subparsers(dest="library_command", required=True, metavar="ACTION")
     dep = add_command(lsub, "deposit", _cmd_deposit, extra=ENGINE,
                       help="capture verified (problem, solution) pairs as library entries")
-    dep.add_argument("--model", required=True)
-    dep.add_argument("--dataset", type=Path, required=True, help="JSONL problems with their answer key")
+    dep.add_argument("--model", required=True, metavar="NAME", help=MODEL_HELP)
+    dep.add_argument("--dataset", type=Path, required=True, metavar="FILE",
+                     help="the problems and their answer key: " + DATASET_HELP)
     dep.add_argument("--library", type=Path, required=True, help="the library directory (created when new)")
     dep.add_argument("--solutions", type=Path, help='JSONL of {"doc_id", "solution"} (default: the dataset\'s own)')
     dep.add_argument("--solutions-from-key", action="store_true",
                      help="for datasets without worked solutions: store the key's answer as the solution")
     dep.add_argument("--limit", type=int, help="deposit only the first N problems (or N drawn with --seed)")
-    dep.add_argument("--seed", type=int)
+    dep.add_argument("--seed", type=int, help="draw --limit problems with this seed (default: the first N)")
     add_profile_option(dep)
     add_key_options(dep)
     add_trust_options(dep)
@@ -373,14 +376,14 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                      help="with --engine: seconds the whole request may take (default 180)")
     q = ask.add_mutually_exclusive_group(required=True)
     q.add_argument("--question", help="the question text")
-    q.add_argument("--question-file", type=Path)
+    q.add_argument("--question-file", type=Path, metavar="FILE", help="the question, read from a UTF-8 text file (at most 1 MiB)")
     ask.add_argument("--max-new-tokens", type=int, default=256, help="budget for a new problem (a recall stops at 16)")
     add_trust_options(ask)
 
     ev = add_command(sub, "eval", _cmd_eval, extra=ENGINE,
                      help="evaluate on a dataset (base model, or from a library); writes a signed record")
-    ev.add_argument("--model", required=True)
-    ev.add_argument("--dataset", type=Path, required=True)
+    ev.add_argument("--model", required=True, metavar="NAME", help=MODEL_HELP)
+    ev.add_argument("--dataset", type=Path, required=True, metavar="FILE", help="the problems: " + DATASET_HELP)
     ev.add_argument("--out", type=Path, required=True, help="the record directory to create")
     ev.add_argument("--library", type=Path, help="answer from this library")
     ev.add_argument("--library-entry", metavar="DIGEST",
@@ -388,7 +391,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                     "the control of an unrelated worked example")
     ev.add_argument("--batch", type=int, default=1, metavar="N",
                     help="decode N problems per forward pass (default 1: one at a time); a stopped run resumes")
-    ev.add_argument("--max-new-tokens", type=int, default=256)
+    ev.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="decode budget per problem (default 256)")
     ev.add_argument("--limit", type=int, help="the first N problems (or N drawn with --seed)")
     ev.add_argument("--seed", type=int, help="draw --limit problems with this seed")
     add_profile_option(ev)
@@ -398,16 +401,18 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     pr = add_command(sub, "prereg", _cmd_prereg, extra=ENGINE,
                      help="pre-register the replay of an evaluation (and log it)")
     pr.add_argument("--eval", type=Path, required=True, help="the evaluation record directory to reproduce")
-    pr.add_argument("--dataset", type=Path, required=True)
+    pr.add_argument("--dataset", type=Path, required=True, metavar="FILE",
+                    help="the dataset the evaluation ran on (its digest must match the record's): " + DATASET_HELP)
     pr.add_argument("--library", type=Path, help="the library the evaluation used")
-    pr.add_argument("--out", type=Path, required=True)
+    pr.add_argument("--out", type=Path, required=True, metavar="DIR", help="the pre-registration directory to create")
     add_key_options(pr)
     add_registry_options(pr, required=False)
 
     rp = add_command(sub, "replay", _cmd_replay, extra=ENGINE,
                      help="run a logged pre-registration in a fresh process and publish the replay record")
-    rp.add_argument("--pre-registration", type=Path, required=True)
-    rp.add_argument("--out", type=Path, required=True)
+    rp.add_argument("--pre-registration", type=Path, required=True, metavar="DIR",
+                    help="the directory 'kvgraft prereg' wrote (it must already be in the registry's log)")
+    rp.add_argument("--out", type=Path, required=True, metavar="DIR", help="the replay record directory to create")
     rp.add_argument("--checkpoint-out", type=Path, help="where the signed checkpoint goes (default: OUT.checkpoint.txt)")
     add_key_options(rp)
     add_trust_options(rp)

@@ -247,8 +247,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
     rep = add_command(sub, "report", _cmd_report, extra=REGISTRY_CLIENT,
                       help="pull entries and their blobs into an audit folder, with log proofs")
-    rep.add_argument("--out", type=Path, required=True)
+    rep.add_argument("--out", type=Path, required=True, metavar="DIR",
+                     help="the report folder to create ('kvgraft-verify audit DIR' checks it offline)")
     rep.add_argument("--entry", action="append", help="a log index or envelope digest (repeat; default: every entry)")
-    rep.add_argument("--trusted-keys", type=Path, help="copied into the report as trusted-keys.json")
-    rep.add_argument("--dataset", type=Path, action="append", help="a dataset file the evaluations name (repeat)")
+    rep.add_argument("--trusted-keys", type=Path, metavar="FILE", help="copied into the report as trusted-keys.json")
+    rep.add_argument("--dataset", type=Path, action="append", metavar="FILE",
+                     help="a dataset file the evaluations name, copied for the audit's regrading (repeat)")
     add_registry_options(rep, required=True)

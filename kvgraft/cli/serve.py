@@ -303,7 +303,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     serve.add_argument("--adopt-database-head", action="store_true",
                        help="with --database: a data directory without signed-head.json takes the database's log head "
                        "as its own (once, logged); only for a new server joining a database known to be current")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn's log level (default info)")
 
     token = sub.add_parser("token", help="create, list and revoke publishing tokens")
     tsub = token.add_subparsers(dest="token_command", required=True, metavar="ACTION")

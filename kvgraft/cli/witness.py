@@ -87,4 +87,5 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     serve.add_argument("--port", type=int, default=8001, help="port to listen on (default 8001)")
     serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_WITNESS_MAX_BODY_BYTES, metavar="N",
                        help=f"largest add-checkpoint body accepted (default {DEFAULT_WITNESS_MAX_BODY_BYTES})")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn's log level (default info)")

@@ -157,10 +157,32 @@ class _NoProgress:
         return None
 
 
+class _LineProgress:
+    """Progress where stderr is not a terminal (a log, CI): one plain line when the step ends,
+    never a bar's carriage-return residue such as ``0.00B [00:00, ?B/s]``."""
+
+    def __init__(self, desc: str, unit: str) -> None:
+        self.desc, self.unit, self.n = desc, unit, 0
+
+    def update(self, n: float | None = 1) -> bool | None:
+        self.n += int(n or 0)
+        return None
+
+    def close(self) -> None:
+        unit = "byte" if self.unit == "B" else self.unit
+        plural = unit if self.n == 1 else unit[:-1] + "ies" if unit.endswith("y") else unit + "s"
+        done = f"{self.n} {plural}"
+        sys.stderr.write(f"kvgraft: {self.desc}: {done}\n")
+        sys.stderr.flush()
+
+
 def _bar(enabled: bool, total: int | None, desc: str, unit: str = "B") -> Progress:
-    """A tqdm bar on stderr, or a no-op when disabled, pointless (nothing to do) or tqdm is missing."""
+    """A tqdm bar on stderr when it is a terminal, a plain line per step otherwise; a no-op when
+    disabled, pointless (nothing to do) or tqdm is missing."""
     if not enabled or total == 0:
         return _NoProgress()
+    if not sys.stderr.isatty():
+        return _LineProgress(desc, unit)
     try:
         from tqdm import tqdm
     except ImportError:

@@ -19,7 +19,7 @@ from kvgraft.engine import (
     KVState,
     LoadedModel,
     ProfileMismatchError,
-    UnknownModelError,
+    UnknownProfileError,
     applied,
     capture,
     current_profile,
@@ -242,7 +242,7 @@ def test_kv16_refuses_a_value_beyond_float16s_range(tiny: LoadedModel, kv16: Det
 def test_the_default_profile_is_the_fast_one_and_the_eager_one_is_kept() -> None:
     assert current_profile().name == current_profile("default").name == DEFAULT_PROFILE == "cpu-fp32-sdpa"
     assert current_profile("eager").attention_implementation == "eager"
-    with pytest.raises(UnknownModelError, match="no determinism profile named 'cpu-fp64'") as e:
+    with pytest.raises(UnknownProfileError, match="no determinism profile named 'cpu-fp64'") as e:
         current_profile("cpu-fp64")
     assert e.value.hint == "use --profile cpu-fp32-sdpa (the default)"
 

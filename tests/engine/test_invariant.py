@@ -29,7 +29,7 @@ from kvgraft.engine import (
     KVState,
     LoadedModel,
     Segment,
-    UnknownModelError,
+    UnknownProfileError,
     applied,
     capture,
     current_profile,
@@ -333,7 +333,7 @@ def test_invariant_profile_fields() -> None:
     assert p.matmul_tiling == "fixed-m-16" and p.attention_implementation == "kvgraft_invariant"
     assert p.kernel_versions["kvgraft_invariant"] == "v1; m-tile=16; n-block=2048; query-tile=16; key-block=64"
     assert current_profile("default") == current_profile("cpu-fp32-sdpa")
-    with pytest.raises(UnknownModelError, match="no determinism profile named 'fast'"):
+    with pytest.raises(UnknownProfileError, match="no determinism profile named 'fast'"):
         current_profile("fast")
     with pytest.raises(ScheduleError, match="matmul tiling 'fixed-m-x' is not 'fixed-m-<rows>'"):
         invariant.settings_from_tiling("fixed-m-x")
