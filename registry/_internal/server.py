@@ -54,6 +54,14 @@ def header_limited_protocol(max_header_bytes: int, max_header_count: int) -> typ
     complete) and the headers as they are parsed; past ``max_header_bytes`` or
     ``max_header_count`` it answers 431 with a problem document and closes the connection, so the
     rest of the head is never parsed. The app checks the same limits again (``HttpEdge``).
+
+    A chunked body's trailers are header fields too, gathered the same way, after the head, even
+    once the app has answered: they count against the same two limits (bytes of head plus
+    trailers, and fields of head plus trailers). The parser says where a chunk starts
+    (``on_chunk_header``) and where its data or its end is (``on_body``, ``on_chunk_complete``);
+    a read that begins after a chunk header and reaches neither is trailer bytes (the last
+    chunk's), so what a trailer holds in memory before the refusal is at most the limit and one
+    read.
     """
     import httptools
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -71,19 +79,35 @@ def header_limited_protocol(max_header_bytes: int, max_header_count: int) -> typ
             self._head_count = 0
             self._refused = False
             self._pending: HeadersTooLargeError | None = None
+            # After a chunk header and before its data or its end: maybe the last chunk's trailers.
+            self._after_chunk_header = False
+            # Counts the chunk data and chunk ends the parser reported (a read that moved it is body).
+            self._chunk_progress = 0
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 return
             if self._head_open:
                 self._head_bytes += len(data)
+            trailing, progress = self._after_chunk_header, self._chunk_progress
             # A callback's _HeadTooLarge reaches uvicorn as a parser error: send_400_response answers 431.
             super().data_received(data)
+            if self._refused:
+                return
             # Still inside the head after all of this chunk: every byte received was head.
-            if not self._refused and self._head_open and self._head_bytes > max_header_bytes:
+            if self._head_open and self._head_bytes > max_header_bytes:
                 self._refuse(HeadersTooLargeError(
                     f"the request's head is over {max_header_bytes} bytes; this registry accepts at most {max_header_bytes}"
                 ))
+            # Began and ended after the last chunk's header with no chunk data or end: all trailer bytes.
+            elif trailing and self._after_chunk_header and progress == self._chunk_progress:
+                self._head_bytes += len(data)
+                if self._head_bytes > max_header_bytes:
+                    self._refuse(HeadersTooLargeError(
+                        f"the request's headers and chunked-body trailers are over {max_header_bytes} bytes; "
+                        f"this registry accepts at most {max_header_bytes}",
+                        hint="send no trailers, or short ones; the limit is the registry's max_header_bytes",
+                    ))
 
         def send_400_response(self, msg: str) -> None:
             # A parser callback that raised _HeadTooLarge surfaces as a parser error: answer 431.
@@ -112,11 +136,24 @@ def header_limited_protocol(max_header_bytes: int, max_header_count: int) -> typ
             self._head_open = False
             super().on_headers_complete()
 
+        def on_chunk_header(self) -> None:
+            self._after_chunk_header = True
+
+        def on_body(self, body: bytes) -> None:
+            self._after_chunk_header = False
+            self._chunk_progress += 1
+            super().on_body(body)
+
+        def on_chunk_complete(self) -> None:
+            self._after_chunk_header = False
+            self._chunk_progress += 1
+
         def on_message_complete(self) -> None:
             super().on_message_complete()
             # The next request on this connection starts a new head.
             self._head_open = True
             self._head_bytes = 0
+            self._after_chunk_header = False
 
         def _refuse(self, error: HeadersTooLargeError) -> None:
             self._refused = True

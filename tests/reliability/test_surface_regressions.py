@@ -3,14 +3,19 @@ budget, ``serve --data``, tampered local copies, file modes, messages), each nam
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvgraft.schemas import DocumentError, canonical_json, check_subject_names, parse_statement
 from kvgraft.verifier import envelope_json, ephemeral_signing_key, sign_envelope
-from tests.registry.conftest import Key, artifact, harness
+from tests.registry.conftest import Key, Server, artifact, harness, running_server
 
 # --- subject names that cannot be files ------------------------------------------------------------
 
@@ -64,3 +69,99 @@ def test_subject_name_rule_regression_one_rule_for_parse_and_writers(names: list
 
 def test_subject_name_rule_regression_real_names_still_pass() -> None:
     check_subject_names(["kv.safetensors", "logits/" + "ab" * 32 + ".f32", "outputs.jsonl", "model.sig"])
+
+
+# --- chunked-body trailers past the header limits ----------------------------------------------------
+
+MIB = 1 << 20
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
+def _read_until_closed(sock: socket.socket, deadline: float) -> bytes:
+    data = b""
+    while time.monotonic() < deadline:
+        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        try:
+            chunk = sock.recv(65536)
+        except (TimeoutError, ConnectionResetError):
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    data = tmp_path_factory.mktemp("trailers") / "data"
+    data.mkdir()
+    with running_server(data) as server:
+        yield server
+
+
+@pytest.mark.parametrize("trailers", ["one-huge", "many-large"])
+def test_http_regression_chunked_trailers_bypassed_the_header_limits(live: Server, trailers: str) -> None:
+    # Was: six 64 MiB trailers on a chunked checkpoint read took it from 6 ms to 2.8 s and the
+    # server's RSS to 694 MB, 669 MB still held afterwards. Now trailers count against the
+    # header limits (32 KiB, 100 fields): refused with a 431 after about the limit.
+    if not Path(f"/proc/{live.pid}/status").exists():
+        pytest.skip("needs /proc to read the server's memory")
+    before = _rss_bytes(live.pid)
+    sent = 0
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", live.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/entries HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5\r\nhello\r\n0\r\n"
+        )
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError, TimeoutError):
+            for n in range(6):
+                sock.sendall(b"X-Trailer-%d: " % n)
+                for _ in range(64 if trailers == "one-huge" else 1):
+                    sock.sendall(b"a" * MIB)
+                    sent += MIB
+                sock.sendall(b"\r\n")
+            sock.sendall(b"\r\n")
+        answer = _read_until_closed(sock, time.monotonic() + 10)
+    elapsed = time.monotonic() - start
+    assert sent < 32 * MIB, f"the server read {sent} bytes of trailers before refusing them"
+    assert elapsed < 15, elapsed
+    assert b"HTTP/1.1 431 " in answer, answer[:300]
+    detail = json.loads(answer[answer.index(b"HTTP/1.1 431 "):].partition(b"\r\n\r\n")[2])["detail"]
+    assert "headers and chunked-body trailers are over 32768 bytes" in detail
+    # Memory is not held: the refused connection's trailer was never gathered past the limit.
+    assert _rss_bytes(live.pid) - before < 48 * MIB, (before, _rss_bytes(live.pid))
+    t = time.monotonic()
+    assert httpx.get(live.url + "/v1/log/checkpoint", timeout=10).status_code == 200
+    assert time.monotonic() - t < 1.0
+
+
+def test_http_regression_many_small_trailers_are_counted_as_headers(live: Server) -> None:
+    request = (
+        b"POST /v1/entries HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n"
+        + b"".join(b"X-T%d: v\r\n" % i for i in range(20_000))
+        + b"\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", live.port), timeout=10) as sock:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(request)
+        answer = _read_until_closed(sock, time.monotonic() + 10)
+    assert b"HTTP/1.1 431 " in answer, answer[:300]
+    assert b"more than 100 headers" in answer
+
+
+def test_http_regression_small_trailers_are_still_served(live: Server) -> None:
+    request = (
+        b"GET /v1/log/checkpoint HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        b"0\r\nX-Checksum: abc\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", live.port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = _read_until_closed(sock, time.monotonic() + 10)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
