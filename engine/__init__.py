@@ -59,6 +59,7 @@ from ._internal.library import (
     require_library_match,
     worked_solution,
 )
+from ._internal.llamacpp import LlamaCppError, LlamaCppModel
 from ._internal.models import (
     MODELS,
     LoadedModel,
@@ -74,7 +75,7 @@ from ._internal.models import (
     locate_gguf,
     spec_for,
 )
-from ._internal.ops import Continuation, capture, fresh, generate, graft, read_text
+from ._internal.ops import AnyModel, Continuation, capture, fresh, generate, graft, load_model_for, read_text
 from ._internal.profiles import (
     DEFAULT_PROFILE,
     ISA_LEVELS,
@@ -112,7 +113,7 @@ __all__ = [
     "fresh", "generate", "graft", "is_cached", "is_installed", "kvgraft_home", "load_artifact", "load_model", "local_key_path",
     "locate_gguf", "logits_digest", "read_kv_file", "read_text", "require_same", "serialize", "spec_for", "token_digest",
     "EvalRun", "clean_solution", "read_meta", "run_eval", "run_exactness", "run_replay", "select", "summary_table",
-    "write_pre_registration", "Wheel", "install", "install_hint",
+    "write_pre_registration", "Wheel", "install", "install_hint", "AnyModel", "LlamaCppError", "LlamaCppModel", "load_model_for",
     "ContextWindowError", "EngineServerConfigError", "EngineServerError", "NOTHING_GRAFTED", "ServeConfig", "ServeSettings",
     "ask_model", "create_engine_app", "ISA_LEVELS", "compute_dtype", "cpu_description", "lookup_all", "serve_engine", "ProblemIndex", "worked_solution", "journal_path", "read_index", "require_library_match", "MAX_INDEX_LINE_BYTES",
 ]

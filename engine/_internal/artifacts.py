@@ -19,6 +19,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -71,6 +72,9 @@ from .errors import (
 from .kvfile import deserialize, read_hashed, serialize
 from .kvstate import KVState, Segment
 from .models import LoadedModel
+
+if TYPE_CHECKING:
+    from .llamacpp import LlamaCppModel
 from .profiles import kv_dtype, require_same
 from .trust import SKIPPED, local_key_path, local_public_key_path
 
@@ -113,7 +117,7 @@ class Captured:
 def write_artifact(
     out: Path,
     *,
-    model: LoadedModel,
+    model: LoadedModel | LlamaCppModel,
     profile: DeterminismProfile,
     state: KVState,
     start: int,
@@ -129,7 +133,7 @@ def write_artifact(
     ids = state.token_ids[start:]
     exported = state.export(start)
     # Never sign what could not be grafted back: ids outside the vocabulary, NaN or Inf state.
-    check_token_ids(ids, start, int(model.module.config.vocab_size), f"capture into {out}")
+    check_token_ids(ids, start, model.vocab_size, f"capture into {out}")
     check_finite(exported, start, state.end, f"capture into {out}")
     data = serialize(exported, _KV_METADATA)
     kv_digest = sha256_bytes(data)
@@ -441,7 +445,7 @@ def _done(result: Hashed) -> Future[Hashed]:
 
 
 def _read_statement_of(
-    directory: Path, model: LoadedModel, profile: DeterminismProfile, trusted: TrustedKeys | None, skip: bool
+    directory: Path, model: LoadedModel | LlamaCppModel, profile: DeterminismProfile, trusted: TrustedKeys | None, skip: bool
 ) -> tuple[KvArtifactStatement, str]:
     """One artifact's statement (signature first) and its model/tokenizer/profile fit."""
     if not directory.is_dir():
@@ -472,7 +476,7 @@ def _checked_bytes(r: _Read) -> Hashed:
 
 def load_artifact(
     directory: Path,
-    model: LoadedModel,
+    model: LoadedModel | LlamaCppModel,
     profile: DeterminismProfile,
     *,
     trusted: TrustedKeys | None = None,
@@ -527,7 +531,7 @@ def load_artifact(
             kv = _done(found)
         checked = [_checked_bytes(r) for r in reads]
     loaded = base
-    vocab = int(model.module.config.vocab_size)
+    vocab = model.vocab_size
     for r, hashed in zip(reversed(reads), reversed(checked), strict=True):
         p = r.statement.predicate
         if loaded is not None:

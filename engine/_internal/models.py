@@ -231,6 +231,11 @@ class LoadedModel:
     tokenizer_digest: Sha256Digest
 
     @property
+    def vocab_size(self) -> int:
+        """How many token ids the model has (what an artifact's ids are checked against)."""
+        return int(self.module.config.vocab_size)
+
+    @property
     def sliding_window(self) -> int | None:
         """The sliding window of the model's local layers, if it has any (Gemma 3's; Llama's and
         Qwen2's layers all attend to every position)."""

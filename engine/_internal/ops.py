@@ -26,9 +26,43 @@ from kvgraft.schemas import DeterminismProfile
 
 from .artifacts import Captured, LoadedArtifact, logits_digest, write_artifact
 from .errors import InputTextError
-from .kvstate import KVBatch, KVState
-from .models import LoadedModel
+from .kvstate import KVBatch, KVState, Segment
+from .llamacpp import LlamaCppBatch, LlamaCppModel, LlamaCppState, load_llamacpp_model
+from .models import LoadedModel, load_model
 from .profiles import applied
+
+#: A model either backend runs: transformers on torch, or llama.cpp (profile ``llamacpp-cpu``).
+AnyModel = LoadedModel | LlamaCppModel
+#: Its attention state: ``KVState`` or its llama.cpp counterpart, with the same ``extend``.
+AnyState = KVState | LlamaCppState
+
+
+def load_model_for(name: str, profile: DeterminismProfile) -> AnyModel:
+    """Model ``name`` ready to run under ``profile``: llama.cpp's on the GGUF itself for a
+    llama.cpp profile (``load_llamacpp_model``), else the converted model (``load_model``)."""
+    if profile.device_kind == "llamacpp":
+        return load_llamacpp_model(name)
+    return load_model(name)
+
+
+def prefix_rows(model: AnyModel) -> int | None:
+    """How many logits rows a prefix's pass computes where only its last is read (``capture``,
+    ``fresh``): llama.cpp's one (the prefix's state is the same whichever rows are output; a
+    262K-token vocabulary over every position costs more than the prefix itself); the torch
+    engine's every row, as its artifacts have always been made."""
+    return 1 if isinstance(model, LlamaCppModel) else None
+
+
+def new_state(model: AnyModel) -> AnyState:
+    """An empty state of ``model`` in its backend."""
+    return LlamaCppState(model) if isinstance(model, LlamaCppModel) else KVState(model)
+
+
+def restored(model: AnyModel, chain: list[Segment], *, shift: int = 0) -> AnyState:
+    """``chain`` restored into a state of ``model`` in its backend (``KVState.restore``)."""
+    if isinstance(model, LlamaCppModel):
+        return LlamaCppState.restore(model, chain, shift=shift)
+    return KVState.restore(model, chain, shift=shift)
 
 
 def read_text(path: Path, *, what: str = "text file") -> str:
@@ -48,7 +82,7 @@ def read_text(path: Path, *, what: str = "text file") -> str:
     return text
 
 
-def _tokens(model: LoadedModel, text: str, *, first: bool, what: str) -> list[int]:
+def _tokens(model: AnyModel, text: str, *, first: bool, what: str) -> list[int]:
     ids = model.tokenizer.encode(text, first=first)
     if not ids:
         raise InputTextError(f"the {what} tokenizes to no tokens")
@@ -92,7 +126,7 @@ class Continuation:
 
 
 def capture(
-    model: LoadedModel,
+    model: AnyModel,
     profile: DeterminismProfile,
     text: str,
     out: Path,
@@ -104,12 +138,12 @@ def capture(
     """Run ``text`` (after the parent's tokens) and write the state as a signed artifact."""
     with applied(profile):
         if parent is None:
-            state, start = KVState(model), 0
+            state, start = new_state(model), 0
         else:
-            state = KVState.restore(model, parent.segments())
+            state = restored(model, parent.segments())
             start = state.end
         ids = _tokens(model, text, first=parent is None, what="text")
-        logits = state.extend(ids)
+        logits = state.extend(ids, keep_last=prefix_rows(model))
         return write_artifact(
             out, model=model, profile=profile, state=state, start=start, last_logits=logits[-1],
             text=text, parent=parent, key=key, passphrase=passphrase,
@@ -117,7 +151,7 @@ def capture(
 
 
 def graft(
-    model: LoadedModel,
+    model: AnyModel,
     profile: DeterminismProfile,
     artifact: LoadedArtifact,
     text: str,
@@ -132,19 +166,19 @@ def graft(
     """
     with applied(profile):
         t0 = time.perf_counter()
-        state = KVState.restore(model, artifact.segments(), shift=shift)
+        state = restored(model, artifact.segments(), shift=shift)
         t1 = time.perf_counter()
         ids = _tokens(model, text, first=False, what="continuation text")
         logits = state.extend(ids, keep_last=keep_last)
         return Continuation(logits, artifact.statement.predicate.positions.end, ids, time.perf_counter() - t0, t1 - t0)
 
 
-def fresh(model: LoadedModel, profile: DeterminismProfile, prefix: str, text: str) -> Continuation:
+def fresh(model: AnyModel, profile: DeterminismProfile, prefix: str, text: str) -> Continuation:
     """Recompute ``prefix`` as capture does, then run ``text`` as graft does."""
     with applied(profile):
         t0 = time.perf_counter()
-        state = KVState(model)
-        state.extend(_tokens(model, prefix, first=True, what="prefix text"))
+        state = new_state(model)
+        state.extend(_tokens(model, prefix, first=True, what="prefix text"), keep_last=prefix_rows(model))
         t1 = time.perf_counter()
         ids = _tokens(model, text, first=False, what="continuation text")
         logits = state.extend(ids)
@@ -188,7 +222,7 @@ class DecodeRule:
     ``next`` returns None once decoding has ended; ``decoded()`` is then the result.
     """
 
-    def __init__(self, model: LoadedModel, end: int, *, max_new_tokens: int, keep_eos: bool,
+    def __init__(self, model: AnyModel, end: int, *, max_new_tokens: int, keep_eos: bool,
                  stop: Callable[[str], bool] | None = None) -> None:
         self.model = model
         #: The position the next token runs at (the sequence's length so far).
@@ -230,7 +264,7 @@ class DecodeRule:
 
 
 def greedy_decode(
-    state: KVState,
+    state: AnyState,
     logits: torch.Tensor,
     *,
     max_new_tokens: int,
@@ -258,7 +292,7 @@ class DecodeJob:
 
 
 def decode_batch(
-    model: LoadedModel,
+    model: AnyModel,
     profile: DeterminismProfile,
     jobs: Iterable[DecodeJob],
     *,
@@ -283,9 +317,11 @@ def decode_batch(
     if profile.exactness != "own-position":
         raise InputTextError(f"profile {profile.name} is {profile.exactness}; batched decoding needs an own-position profile",
                              hint="decode one problem at a time (batch 1) under this profile")
+    if isinstance(model, LlamaCppModel):
+        batch = min(batch, model.settings.n_seq_max)  # one llama.cpp sequence per row
     queue = iter(enumerate(jobs))
     with applied(profile):
-        rows = KVBatch(model)
+        rows: KVBatch | LlamaCppBatch = LlamaCppBatch(model) if isinstance(model, LlamaCppModel) else KVBatch(model)
         running: list[tuple[int, DecodeRule]] = []
         tokens: list[int] = []  # the token each running row runs next
         more = True
@@ -296,7 +332,7 @@ def decode_batch(
                     more = False
                     break
                 i, job = nxt_job
-                state = KVState(model) if job.artifact is None else KVState.restore(model, job.artifact.segments())
+                state = new_state(model) if job.artifact is None else restored(model, job.artifact.segments())
                 logits = state.extend(job.suffix_ids, keep_last=1)  # [1, vocab]
                 rule = DecodeRule(model, state.end, max_new_tokens=job.max_new_tokens, keep_eos=job.keep_eos, stop=job.stop)
                 first = rule.next(logits[-1])
@@ -325,7 +361,7 @@ def decode_batch(
 
 
 def continue_from(
-    model: LoadedModel,
+    model: AnyModel,
     profile: DeterminismProfile,
     artifact: LoadedArtifact | None,
     suffix_ids: list[int],
@@ -343,13 +379,13 @@ def continue_from(
     decoding reads only the last, and ``None`` (every row) is what ``generate`` has always run.
     """
     with applied(profile):
-        state = KVState(model) if artifact is None else KVState.restore(model, artifact.segments())
+        state = new_state(model) if artifact is None else restored(model, artifact.segments())
         logits = state.extend(suffix_ids, keep_last=keep_last)  # [keep_last or len(suffix_ids), vocab]
         return greedy_decode(state, logits, max_new_tokens=max_new_tokens, keep_eos=keep_eos, stop=stop)
 
 
 def generate(
-    model: LoadedModel, profile: DeterminismProfile, artifact: LoadedArtifact, text: str, max_new_tokens: int
+    model: AnyModel, profile: DeterminismProfile, artifact: LoadedArtifact, text: str, max_new_tokens: int
 ) -> dict[str, object]:
     """Greedy decoding from a graft: run ``text`` on the artifact, then up to ``max_new_tokens``
     (the EOS token, when reached, is the last of ``tokens`` and counted in ``decode_tokens``)."""

@@ -116,8 +116,13 @@ class ProfileSettings:
     kv_dtype: str = "float32"
     #: The instruction-set level pinned instead of the CPU's model name (``ISA_LEVELS``), if any.
     isa_level: str | None = None
-    #: Where the model runs: ``cpu`` or ``cuda`` (the first GPU).
+    #: Where the model runs: ``cpu``, ``cuda`` (the first GPU) or ``llamacpp`` (llama.cpp on the
+    #: CPU, on the GGUF itself: llamacpp.py).
     device: str = "cpu"
+    #: The CPU flags (``/proc/cpuinfo``) the profile's kernels need, as alternatives: the CPU must
+    #: report every flag of at least one tuple; empty: none (``current_profile`` refuses the
+    #: profile by name on a CPU that lacks them, before any kernel runs).
+    cpu_flags: tuple[tuple[str, ...], ...] = ()
 
 
 #: The named profiles. ``cpu-fp32`` is own-position exact: a graft equals recomputing the same
@@ -162,6 +167,11 @@ PROFILES: dict[str, ProfileSettings] = {
         exactness="schedule-invariant", threads=1, attention_implementation=invariant.ATTENTION_NAME,
         matmul_tiling=invariant.tiling_name(invariant.InvariantSettings()), dtype="bfloat16", kv_dtype="bfloat16", device="cuda",
     ),
+    # llama.cpp on the pinned GGUF itself (its own quantized weights and kernels, f16 cache, flash
+    # attention), at llama.cpp's speed; own-position exact. The context settings, the build and
+    # the state format are pinned in llamacpp.py (SETTINGS, build_fingerprint).
+    "llamacpp-cpu": ProfileSettings(exactness="own-position", threads=2, attention_implementation="llama.cpp-flash-attn",
+                                    matmul_tiling="ggml", dtype="gguf", kv_dtype="float16", device="llamacpp"),
 }
 #: The profile a command runs under when none is named: the fast own-position one. ``cpu-fp32``
 #: (eager attention, the repeated K/V heads materialised) stays for the artifacts made under it.
@@ -172,6 +182,7 @@ PROFILE_ALIASES: dict[str, str] = {
     "sdpa": "cpu-fp32-sdpa",
     "sdpa-kv16": "cpu-fp32-sdpa-kv16",
     "bf16": "cpu-bf16-sdpa",
+    "llamacpp": "llamacpp-cpu",
 }
 #: The storage dtypes a cache may have, by the name a profile's ``dtype`` gives them.
 KV_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -275,6 +286,18 @@ def _cuda_fingerprint() -> str:
             f"cudnn={torch.backends.cudnn.version()}")
 
 
+def _llamacpp_profile(name: str, s: ProfileSettings) -> DeterminismProfile:
+    """The llama.cpp profile on this machine: its fingerprint names the build (llamacpp.py)."""
+    from . import llamacpp
+
+    return DeterminismProfile(
+        name=name, exactness=s.exactness, device_kind=s.device, device_fingerprint=llamacpp.build_fingerprint(),
+        dtype=f"{s.dtype}{_KV_MARK}{s.kv_dtype}", torch_version=torch.__version__, transformers_version="unused",
+        kernel_versions=llamacpp.SETTINGS.describe(), threads=s.threads, attention_implementation=s.attention_implementation,
+        matmul_tiling=s.matmul_tiling, prefill_chunk=llamacpp.SETTINGS.n_batch, deterministic_algorithms=True,
+    )
+
+
 def applied_kv_dtype() -> torch.dtype:
     """The cache dtype of the profile ``applied`` now (float32 when none is): what a new
     ``KVState`` stores its keys and values in."""
@@ -356,6 +379,8 @@ def current_profile(name: str | None = None) -> DeterminismProfile:
     kernel_versions = {"mkldnn": str(torch.backends.mkldnn.is_available()), "openmp": str(torch.backends.openmp.is_available())}
     if s.exactness == "schedule-invariant":
         kernel_versions["kvgraft_invariant"] = invariant.settings_from_tiling(s.matmul_tiling).describe()
+    if s.device == "llamacpp":
+        return _llamacpp_profile(name, s)
     if s.device == "cuda":
         fingerprint = _cuda_fingerprint()
     else:
@@ -382,7 +407,12 @@ def applied(profile: DeterminismProfile) -> Iterator[None]:
     """Pin the profile's threads, deterministic algorithms, device and dtype (``placed``), cache
     dtype and attention (named for each forward pass by ``pass_attention``), on a GPU full-precision
     reductions (no TF32, no reduced-precision bfloat16 sums, no cuDNN autotuning), and for a
-    schedule-invariant profile install the invariant kernels; restore the previous state after."""
+    schedule-invariant profile install the invariant kernels; restore the previous state after.
+    A llama.cpp profile pins nothing here: its context was made with its settings (llamacpp.py)."""
+    if profile.device_kind == "llamacpp":
+        with torch.no_grad():
+            yield
+        return
     kernels = (
         invariant.installed(invariant.settings_from_tiling(profile.matmul_tiling))
         if profile.exactness == "schedule-invariant" else contextlib.nullcontext()

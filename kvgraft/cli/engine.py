@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ._common import ENGINE, ENGINE_SERVER, CliError, add_command, passphrase
 
 if TYPE_CHECKING:
-    from kvgraft.engine import LoadedArtifact, LoadedModel, Trust
+    from kvgraft.engine import AnyModel, LoadedArtifact, Trust
     from kvgraft.schemas import DeterminismProfile
 
 
@@ -83,21 +83,21 @@ def signing_key(args: argparse.Namespace) -> tuple[Path, bytes | None, str]:
     return key, passphrase(args.passphrase_env), note
 
 
-def load_verified(directory: Path, model: LoadedModel, profile: DeterminismProfile, trust: Trust) -> LoadedArtifact:
+def load_verified(directory: Path, model: AnyModel, profile: DeterminismProfile, trust: Trust) -> LoadedArtifact:
     """The artifact in ``directory``, its signature checked against ``trust`` (unless it is a skip)."""
     from kvgraft.engine import load_artifact
 
     return load_artifact(directory, model, profile, trusted=trust.keys, insecure_skip_verify=trust.skip)
 
 
-def model_and_profile(name: str, profile: str | None) -> tuple[LoadedModel, DeterminismProfile]:
+def model_and_profile(name: str, profile: str | None) -> tuple[AnyModel, DeterminismProfile]:
     """Model ``name`` (loaded from its cache) and the determinism profile ``profile`` (None: the
     default) of this machine. The profile first: it refuses a machine it cannot run on before
     loading runs a single kernel (one of a level the CPU lacks would die of SIGILL)."""
-    from kvgraft.engine import current_profile, load_model
+    from kvgraft.engine import current_profile, load_model_for
 
     checked = current_profile(profile)
-    return load_model(name), checked
+    return load_model_for(name, checked), checked
 
 
 def _artifact_model(directory: Path, trust: Trust) -> str:
@@ -165,7 +165,7 @@ def _cmd_capture(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _grafted(args: argparse.Namespace) -> tuple[LoadedModel, DeterminismProfile, LoadedArtifact, str]:
+def _grafted(args: argparse.Namespace) -> tuple[AnyModel, DeterminismProfile, LoadedArtifact, str]:
     """``--artifact`` verified and loaded into the model it names, and the ``--text-file`` to run on it."""
     from kvgraft.engine import read_text
 
