@@ -68,6 +68,7 @@ def _blob_store(args: argparse.Namespace) -> dict[str, Any]:
                 server_checksum=args.s3_server_checksum,
                 timeout=args.s3_timeout,
                 max_attempts=args.s3_max_attempts,
+                memory_budget=args.s3_memory_budget,
             ),
         }
         RegistrySettings(**store)
@@ -75,7 +76,8 @@ def _blob_store(args: argparse.Namespace) -> dict[str, Any]:
         raise CliError(
             str(e),
             hint="pass --blob-store s3://BUCKET[/PREFIX] with --s3-endpoint-url http(s)://HOST:PORT for a store other "
-            "than AWS, and --s3-part-size of 5 MiB to 5 GiB (docs/registry.md, 'Deploying at scale')",
+            "than AWS, --s3-part-size of 5 MiB to 5 GiB, and --s3-memory-budget of at least one part "
+            "(docs/registry.md, 'Deploying at scale')",
         ) from e
     return store
 
@@ -94,6 +96,9 @@ def _add_blob_store_options(p: argparse.ArgumentParser) -> None:
                    help="a file holding the secret access key on its first line (never the secret itself on the command line)")
     p.add_argument("--s3-part-size", type=int, default=d.part_size, metavar="N",
                    help=f"bytes per multipart upload part, 5 MiB to 5 GiB; memory per upload in flight (default {d.part_size})")
+    p.add_argument("--s3-memory-budget", type=int, default=d.memory_budget, metavar="BYTES",
+                   help="upload buffers held at once across all uploads in flight, at least one part; an upload that "
+                   f"finds no room for {d.memory_wait:g} s is answered 503 with Retry-After (default {d.memory_budget})")
     p.add_argument("--s3-timeout", type=float, default=d.timeout, metavar="SECONDS",
                    help=f"seconds to connect, and to wait for each read, before a request is retried (default {d.timeout:g})")
     p.add_argument("--s3-max-attempts", type=int, default=d.max_attempts, metavar="N",

@@ -410,7 +410,10 @@ def _blob_hex(digest: str) -> str:
 
 async def _read_limited(request: Request[Any, Any, Any], limit: int, what: str) -> bytes:
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    # ASCII digits only: str.isdigit() also takes '²', which int() refuses.
+    if declared is not None and not (declared.isascii() and declared.isdigit()):
+        declared = None
+    if declared is not None and int(declared) > limit:
         raise PayloadTooLargeError(f"the {what} is {declared} bytes; this registry accepts at most {limit}", extra={"limit": limit})
     chunks: list[bytes] = []
     size = 0
@@ -438,7 +441,8 @@ async def put_blob(request: Request[Any, Any, Any], digest: FromPath[str]) -> Re
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLargeError(f"the blob is {declared} bytes; this registry accepts at most {limit}", extra={"limit": limit})
-    created = await registry.blobs.receive(hex_digest, request.stream(), max_bytes=limit)
+    size_hint = int(declared) if declared is not None else None
+    created = await registry.blobs.receive(hex_digest, request.stream(), max_bytes=limit, declared_size=size_hint)
     size = await _run(registry.blobs.size, hex_digest)
     ref = "sha256:" + hex_digest
     return Response(

@@ -28,6 +28,10 @@ DEFAULT_S3_MAX_ATTEMPTS = 4
 MAX_S3_MAX_ATTEMPTS = 20
 #: Connections kept to the store: each upload, download and check in flight holds one.
 DEFAULT_S3_MAX_CONNECTIONS = 64
+#: Upload buffers held at once, across every upload in flight (16 full parts of the default size).
+DEFAULT_S3_MEMORY_BUDGET = 256 * 1024 * 1024
+#: Seconds an upload waits for room in that budget before it is answered 503 with Retry-After.
+DEFAULT_S3_MEMORY_WAIT = 5.0
 
 #: S3 bucket names (the rules of general purpose buckets): 3 to 63 lowercase letters, digits,
 #: '.' and '-', starting and ending with a letter or digit.
@@ -100,6 +104,12 @@ class S3Settings:
     timeout: float = DEFAULT_S3_TIMEOUT
     max_attempts: int = DEFAULT_S3_MAX_ATTEMPTS
     max_connections: int = DEFAULT_S3_MAX_CONNECTIONS
+    #: Bytes of upload buffers held at once across all uploads in flight; each upload reserves its
+    #: buffer (its declared size, at most one part) before it reads a byte, so that stalled
+    #: uploads cannot pin memory without bound. At least one part.
+    memory_budget: int = DEFAULT_S3_MEMORY_BUDGET
+    #: Seconds an upload waits for room in ``memory_budget``; then 503 ``uploads-busy``, Retry-After.
+    memory_wait: float = DEFAULT_S3_MEMORY_WAIT
 
     def __post_init__(self) -> None:
         if self.endpoint_url is not None and re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", self.endpoint_url, re.ASCII) is None:
@@ -119,6 +129,14 @@ class S3Settings:
             raise ValueError(f"S3Settings.max_attempts must be an int from 1 to {MAX_S3_MAX_ATTEMPTS}, got {self.max_attempts!r}")
         if isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int) or self.max_connections < 1:
             raise ValueError(f"S3Settings.max_connections must be a positive int, got {self.max_connections!r}")
+        if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) or self.memory_budget < self.part_size:
+            raise ValueError(
+                f"S3Settings.memory_budget must be an int of at least part_size ({self.part_size}), got {self.memory_budget!r}"
+            )
+        if isinstance(self.memory_wait, bool) or not isinstance(self.memory_wait, int | float) or not (
+            0 <= self.memory_wait <= 3600 and math.isfinite(self.memory_wait)
+        ):
+            raise ValueError(f"S3Settings.memory_wait must be a number of seconds from 0 to 3600, got {self.memory_wait!r}")
 
     @property
     def largest_blob(self) -> int:

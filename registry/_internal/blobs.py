@@ -233,8 +233,13 @@ class BlobStore(ABC):
         (``ident``, a ``BlobReader.ident``; None: whatever is there)."""
 
     @abstractmethod
-    async def receive(self, hex_digest: str, chunks: AsyncIterable[bytes], *, max_bytes: int) -> bool:
+    async def receive(
+        self, hex_digest: str, chunks: AsyncIterable[bytes], *, max_bytes: int, declared_size: int | None = None
+    ) -> bool:
         """Store the bytes of ``chunks`` as blob ``hex_digest``; return True when it is new (or repaired).
+
+        ``declared_size`` is the request's Content-Length, when it has one (a store that buffers
+        uses it to reserve memory; the HTTP server holds the body to it).
 
         Raises ``BlobDigestMismatchError`` when the bytes hash to another digest and
         ``PayloadTooLargeError`` past ``max_bytes``; in every failure (a client that hangs up
@@ -556,7 +561,10 @@ class LocalBlobStore(BlobStore):
         log_quarantined(hex_digest, reason, relative)
         return relative
 
-    async def receive(self, hex_digest: str, chunks: AsyncIterable[bytes], *, max_bytes: int) -> bool:
+    async def receive(
+        self, hex_digest: str, chunks: AsyncIterable[bytes], *, max_bytes: int, declared_size: int | None = None
+    ) -> bool:
+        del declared_size  # streamed to a file: nothing is buffered past one chunk
         final = self.path(hex_digest)
         h = hashlib.sha256()
         tmp: Path | None = None

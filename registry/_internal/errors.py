@@ -417,6 +417,14 @@ class RetryLaterError(RegistryError):
         return {"Retry-After": str(self.retry_after)}
 
 
+class UploadsBusyError(RetryLaterError):
+    """The blob store's memory budget for uploads in flight is spent: this upload was not read."""
+
+    slug = "uploads-busy"
+    title = "Too many uploads in flight"
+    default_hint = "wait for the number of seconds in Retry-After, then upload the blob again (nothing of it was kept)"
+
+
 class PublishQueueFullError(RetryLaterError):
     """The sequencer's queue of verified publishes is full (or it is shutting down): nothing was logged."""
 

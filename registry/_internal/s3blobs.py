@@ -16,7 +16,11 @@ Keys mirror the local layout under the prefix: ``PREFIX/blobs/sha256/<hex>`` hol
   on the way; the registry's own check of the whole digest does not depend on it.
 - **Bounded.** Connect and read timeouts, retries with backoff (botocore's standard mode) up
   to ``max_attempts`` per request, a connection pool of ``max_connections``; memory per upload
-  is one part, per download one ``READ_CHUNK``; a blob has at most 10,000 parts.
+  is one part, per download one ``READ_CHUNK``; a blob has at most 10,000 parts. All uploads in
+  flight together hold at most ``memory_budget`` bytes of buffers (``MemoryBudget``): each
+  reserves its buffer (its declared size, at most one part) before reading a byte, waits up to
+  ``memory_wait`` seconds for room, and is otherwise answered ``503 uploads-busy`` with
+  ``Retry-After``, so uploads that stall cannot pin memory without bound.
 - **Failures are the operator's, and said so.** An unreachable store, a timeout, a 5xx or a
   refused credential is ``StorageUnavailableError`` (503), a full store or quota
   ``InsufficientStorageError`` (507); neither names the endpoint or a key (the log has them).
@@ -55,7 +59,14 @@ from .blobs import (
     quarantine_names_for,
     upload_batches,
 )
-from .errors import BlobNotFoundError, ConfigError, InsufficientStorageError, RegistryError, StorageUnavailableError
+from .errors import (
+    BlobNotFoundError,
+    ConfigError,
+    InsufficientStorageError,
+    RegistryError,
+    StorageUnavailableError,
+    UploadsBusyError,
+)
 
 logger = logging.getLogger("kvgraft.registry")
 
@@ -127,6 +138,61 @@ def _precondition_failed(e: Exception) -> bool:
 
 def _b64_sha256(data: bytes) -> str:
     return base64.b64encode(hashlib.sha256(data).digest()).decode("ascii")
+
+
+#: How often an upload waiting for room in the memory budget looks again.
+_BUDGET_POLL_SECONDS = 0.05
+#: The Retry-After of an upload refused for want of room (seconds).
+_BUDGET_RETRY_AFTER = 5
+
+
+class MemoryBudget:
+    """The bytes of upload buffers one store holds at once, across all its uploads in flight.
+
+    ``reserve(n, wait=...)`` takes ``n`` bytes, waiting up to ``wait`` seconds for others to
+    ``release`` theirs, else raises ``UploadsBusyError`` (503, Retry-After). An upload reserves
+    all it may hold before it reads a byte, and holds it to its end: so no upload ever waits
+    while holding part of the budget, and waiting uploads cannot starve each other into a
+    deadlock. A reservation larger than the whole budget is cut to the budget.
+    """
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self._used = 0
+        # Reservations are made on the event loop; the lock keeps the count right if one is not.
+        self._lock = threading.Lock()
+
+    @property
+    def used(self) -> int:
+        """Bytes reserved now."""
+        return self._used
+
+    def _try(self, n: int) -> bool:
+        with self._lock:
+            if self._used + n > self.total:
+                return False
+            self._used += n
+            return True
+
+    async def reserve(self, n: int, *, wait: float) -> int:
+        """Reserve ``n`` bytes (at most the whole budget); return what was reserved, for ``release``."""
+        n = min(n, self.total)
+        deadline = anyio.current_time() + wait
+        while not self._try(n):
+            if anyio.current_time() >= deadline:
+                raise UploadsBusyError(
+                    f"the registry's uploads in flight hold its whole upload memory budget ({self.total} bytes); "
+                    "this upload was not read",
+                    retry_after=_BUDGET_RETRY_AFTER,
+                    extra={"limit": self.total},
+                )
+            await anyio.sleep(_BUDGET_POLL_SECONDS)
+        return n
+
+    def release(self, n: int) -> None:
+        """Give back ``n`` bytes that ``reserve`` returned."""
+        with self._lock:
+            self._used -= n
 
 
 class _ObjectReader:
@@ -206,6 +272,7 @@ class S3BlobStore(BlobStore):
         )
         # Serialises quarantines within this process (the If-Match conditions cover the others).
         self._quarantine_lock = threading.Lock()
+        self.memory = MemoryBudget(settings.memory_budget)
 
     def close(self) -> None:
         self._client.close()
@@ -426,7 +493,21 @@ class S3BlobStore(BlobStore):
             # Never visible (not completed); prepare() aborts it at a later start once a day old.
             logger.warning("multipart upload %s of %s could not be aborted: %s", upload_id, key, e)
 
-    async def receive(self, hex_digest: str, chunks: AsyncIterable[bytes], *, max_bytes: int) -> bool:
+    async def receive(
+        self, hex_digest: str, chunks: AsyncIterable[bytes], *, max_bytes: int, declared_size: int | None = None
+    ) -> bool:
+        part_size = self.settings.part_size
+        # The buffer this upload may hold (one part, or less when it says it is smaller), reserved
+        # before a byte is read: a stalled upload holds no more than it reserved, and all of them
+        # together no more than the budget. A body longer than it declared is cut by the HTTP server.
+        want = part_size if declared_size is None else max(1, min(declared_size, part_size))
+        held = await self.memory.reserve(want, wait=self.settings.memory_wait)
+        try:
+            return await self._receive(hex_digest, chunks, max_bytes=max_bytes)
+        finally:
+            self.memory.release(held)
+
+    async def _receive(self, hex_digest: str, chunks: AsyncIterable[bytes], *, max_bytes: int) -> bool:
         final = self._key(hex_digest)
         part_size = self.settings.part_size
         # S3 takes at most 10,000 parts: past that the blob cannot be stored here, whatever the setting.
@@ -447,7 +528,7 @@ class S3BlobStore(BlobStore):
                     # A full part goes up now, invisible until the upload is completed.
                     if upload_id is None:
                         upload_id = await anyio.to_thread.run_sync(self._create_upload, final)
-                    body = bytes(pending[:part_size])
+                    body = bytes(memoryview(pending)[:part_size])
                     del pending[:part_size]
                     parts.append(await anyio.to_thread.run_sync(self._upload_part, final, upload_id, len(parts) + 1, body))
             check_upload_digest(hex_digest, h, size)

@@ -10,6 +10,7 @@ bucket or credential that cannot work stops ``kvgraft serve`` with one line.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import json
@@ -30,6 +31,7 @@ from .conftest import Key, artifact, free_port, registry_cli, running_server
 from .s3server import ACCESS_KEY, BUCKET, PART_SIZE, SECRET_KEY, S3Store, SeaweedS3, s3_server_fixture, seaweed  # noqa: F401
 
 PROBLEM = "application/problem+json"
+MIB = 1 << 20
 SMALL = bytes(range(256)) * 40
 #: Two and a half parts of 5 MiB: a three-part multipart upload.
 LARGE = os.urandom(PART_SIZE * 5 // 2)
@@ -319,3 +321,72 @@ def test_a_server_started_on_another_blob_store_than_the_logs_served_every_blob_
     back = registry_cli(*base, *s3.flags())
     assert back.returncode == 1 and f"this log's blobs are in the data directory's blobs/, but this command was given {s3.url}" in back.stderr
     assert "pass no --blob-store" in back.stderr
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
+def test_s3_regression_stalled_uploads_pinned_memory_without_a_cap(tmp_path: Path, s3: S3Store, keys: dict[str, Key]) -> None:
+    # Was: each upload held up to one part (16 MiB by default) while its client stalled, with no
+    # cap across uploads: 40 stalled uploads added 690 MiB. Now every upload reserves its buffer
+    # from one budget before it reads a byte (here two 5 MiB parts); past it, 503 uploads-busy.
+    import socket
+    import threading
+    import time
+
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc to read the server's memory")
+    budget = 2 * PART_SIZE
+    data = tmp_path / "data"
+    data.mkdir()
+    with running_server(data, "--rate-limit", "0", *s3.flags(), "--s3-memory-budget", str(budget)) as server:
+        token, _ = make_token(server, "alice", keys["alice"])
+        before = _rss_bytes(server.pid)
+        stalled: list[socket.socket] = []
+        lock = threading.Lock()
+
+        def stall(n: int) -> None:
+            # A large upload that sends just under one part, then stops sending and waits.
+            blob_hex = hashlib.sha256(b"stalled %d" % n).hexdigest()
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=3)
+            with lock:
+                stalled.append(sock)
+            sock.sendall(
+                f"PUT /v1/blobs/sha256:{blob_hex} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+                f"Content-Length: {3 * PART_SIZE}\r\n\r\n".encode()
+            )
+            with contextlib.suppress(TimeoutError, OSError):
+                sock.sendall(b"\0" * (PART_SIZE - 4096))
+
+        threads = [threading.Thread(target=stall, args=(n,)) for n in range(40)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        try:
+            time.sleep(1.0)
+            grown = _rss_bytes(server.pid) - before
+            # Two uploads' buffers, not forty (was about 40 x 5 MiB here).
+            assert grown < 64 * MIB, f"the server grew by {grown / MIB:.0f} MiB for 40 stalled uploads"
+            with httpx.Client(base_url=server.url, timeout=60) as client:
+                start = time.monotonic()
+                busy = put_blob(client, token, SMALL)
+                doc = _problem(busy, 503, "uploads-busy")
+                assert busy.headers["retry-after"] == "5" and doc["limit"] == budget
+                assert "hold its whole upload memory budget" in doc["detail"]
+                assert time.monotonic() - start < 15
+        finally:
+            for sock in stalled:
+                sock.close()
+        # The stalled uploads' reservations are given back: uploads go through again.
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            deadline = time.monotonic() + 30
+            while (r := put_blob(client, token, SMALL)).status_code == 503 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert r.status_code == 201, r.text
+        assert s3.stored(_hex(SMALL)) == SMALL
+        assert s3.keys() == [f"blobs/sha256/{_hex(SMALL)}"]
