@@ -22,7 +22,14 @@ from kvgraft.schemas import REPORT_DATASETS_DIR, TRUSTED_KEYS_FILE
 from ._common import REGISTRY_CLIENT, TOKEN_ENV, CliError, Command, add_command, needs, token
 
 if TYPE_CHECKING:
-    from kvgraft.registry.client import MirrorResult, PublishResult, PullResult, RegistryClient, RegistryKey
+    from kvgraft.registry.client import (
+        CheckpointMemory,
+        MirrorResult,
+        PublishResult,
+        PullResult,
+        RegistryClient,
+        RegistryKey,
+    )
 
 #: The client bounds what it reads, so running out of memory means a limit above what is free.
 _OUT_OF_MEMORY_HINT = "lower --max-json-bytes, or run where more memory is free"
@@ -34,6 +41,20 @@ def add_registry_options(p: argparse.ArgumentParser, *, required: bool, token_he
     p.add_argument("--token", metavar="T", help=f"{token_help} (default: ${TOKEN_ENV})")
     p.add_argument("--registry-key", type=Path, metavar="PEM",
                    help="the registry's public key (default: fetch it; trust on first use)")
+    _add_accept_new_origin(p)
+
+
+def _add_accept_new_origin(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--accept-new-origin", action="store_true",
+                   help="accept a log whose registry key this machine verified under another origin (the operator "
+                   "renamed the log on purpose); refused as a possible fork otherwise")
+
+
+def _memory(args: argparse.Namespace) -> CheckpointMemory:
+    """The checkpoint memory under $KVGRAFT_HOME, accepting a new origin for a known key only with --accept-new-origin."""
+    from kvgraft.registry.client import CheckpointMemory
+
+    return CheckpointMemory.default(accept_new_origin=getattr(args, "accept_new_origin", False))
 
 
 @contextmanager
@@ -45,7 +66,7 @@ def registry_session(args: argparse.Namespace, *, token_required: bool) -> Itera
         from kvgraft.registry.client import RegistryClient, registry_key, witness_policy_from
     secret = token(args.token, required=token_required, what="publishing")
     policy = witness_policy_from(getattr(args, "witness_policy", None))
-    with RegistryClient(args.registry, token=secret, witness_policy=policy) as client:
+    with RegistryClient(args.registry, token=secret, witness_policy=policy, memory=_memory(args)) as client:
         yield client, registry_key(client, args.registry_key)
 
 
@@ -57,7 +78,8 @@ def _client(args: argparse.Namespace, url: str, secret: str | None, *, witnessed
     limits = ClientLimits(timeout=args.timeout, max_json_bytes=args.max_json_bytes, max_blob_bytes=args.max_blob_bytes,
                           min_rate=args.min_rate)
     policy = witness_policy_from(args.witness_policy) if witnessed else None
-    return RegistryClient(url, token=secret, limits=limits, witness_policy=policy, witness_wait=args.witness_wait)
+    return RegistryClient(url, token=secret, limits=limits, witness_policy=policy, witness_wait=args.witness_wait,
+                          memory=_memory(args))
 
 
 # --- publish -------------------------------------------------------------------------------------
@@ -243,6 +265,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     mi.add_argument("--from-token", metavar="T", help="a token for the source, if its reads need one")
     mi.add_argument("--registry-key-from", type=Path, metavar="PEM", help="the source's registry key (default: trust on first use)")
     mi.add_argument("--registry-key-to", type=Path, metavar="PEM", help="the target's registry key (default: trust on first use)")
+    _add_accept_new_origin(mi)
     _add_limit_options(mi)
 
     rep = add_command(sub, "report", _cmd_report, extra=REGISTRY_CLIENT,

@@ -284,6 +284,8 @@ class _NoMemory:
 
 #: ``RegistryClient(memory=NO_MEMORY)``: no checkpoint is remembered or compared.
 NO_MEMORY = _NoMemory
+#: Remembered logs of one key read at most when looking for another origin (a key signs one log).
+_MAX_OTHER_ORIGINS = 16
 
 
 @dataclass(frozen=True)
@@ -307,6 +309,12 @@ class RememberedHead:
 class CheckpointMemory:
     """The newest checkpoint this machine verified per log, one file per (key id, origin).
 
+    A registry key signs one log: a key this machine verified under one origin that now signs a
+    checkpoint under another (the log started over under a new ``--origin``, with the key and the
+    URL kept) is refused as a ``LogForkError``, pinned and trust-on-first-use keys alike, unless
+    ``accept_new_origin`` (``--accept-new-origin``: the operator renamed the log on purpose). The
+    accepted origin is then remembered beside the old one, each checked on its own from then on.
+
     ``DIR/<keyid>.<sha256(origin)[:16]>.json`` holds ``{"format", "keyid", "origin",
     "tree_size", "root_hash", "checkpoint" (the signed note), "registry", "verified_at"}``,
     written atomically (temp file, fsync, rename) under an exclusive lock file beside it. The
@@ -317,13 +325,14 @@ class CheckpointMemory:
 
     FORMAT = "kvgraft-checkpoint-memory/v1"
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, accept_new_origin: bool = False) -> None:
         self.directory = directory
+        self.accept_new_origin = accept_new_origin
 
     @classmethod
-    def default(cls) -> CheckpointMemory:
+    def default(cls, *, accept_new_origin: bool = False) -> CheckpointMemory:
         """``$KVGRAFT_HOME/checkpoints``."""
-        return cls(kvgraft_home() / "checkpoints")
+        return cls(kvgraft_home() / "checkpoints", accept_new_origin=accept_new_origin)
 
     def path(self, keyid: str, origin: str) -> Path:
         """The memory file of the log ``origin`` signed by key ``keyid``."""
@@ -361,6 +370,31 @@ class CheckpointMemory:
                 f"the remembered checkpoint {path} is damaged or not signed by {key.describe()}: {e}",
             ) from e
 
+    def other_origins(self, key: RegistryKey, origin: str) -> list[tuple[str, RememberedHead]]:
+        """The logs other than ``origin`` remembered under ``key`` (origin, re-verified head), by origin.
+
+        At most ``_MAX_OTHER_ORIGINS`` files are read (a key signs one log; more is a damaged
+        memory directory, and a refusal needs only one).
+        """
+        found: list[tuple[str, RememberedHead]] = []
+        mine = self.path(key.keyid, origin)
+        try:
+            paths = sorted(p for p in self.directory.glob(f"{key.keyid}.*.json") if p != mine)
+        except OSError as e:
+            raise CheckpointMemoryError(f"cannot list the checkpoint memory {self.directory}: {e.strerror}") from e
+        for path in paths[:_MAX_OTHER_ORIGINS]:
+            try:
+                doc = json.loads(path.read_bytes())
+                other = doc["origin"]
+            except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+                raise CheckpointMemoryError(f"the remembered checkpoint {path} is damaged: {e}") from e
+            if not isinstance(other, str) or self.path(key.keyid, other) != path:
+                raise CheckpointMemoryError(f"the remembered checkpoint {path} is damaged: it names another log than its file")
+            remembered = self.load(key, other)
+            if remembered is not None:
+                found.append((other, remembered))
+        return found
+
     def _save(self, key: RegistryKey, head: Checkpoint, note: bytes, registry: str) -> None:
         path = self.path(key.keyid, head.origin)
         doc = {
@@ -390,6 +424,18 @@ class CheckpointMemory:
         with self._locked(path):
             known = self.load(key, head.origin)
             if known is None:
+                others = self.other_origins(key, head.origin)
+                if others and not self.accept_new_origin:
+                    origin, other = others[0]
+                    raise LogForkError(
+                        f"possible log restart: {client.url} signs log {head.origin!r} at tree size {head.size} with "
+                        f"registry key {key.keyid[:16]}, but this machine verified that key's log as {origin!r}: "
+                        f"{other.describe()}; a registry key signs one log, and a log started over under a new "
+                        "origin can drop entries",
+                        hint="do not use this registry's answers; only if its operator confirms the log was renamed "
+                        "on purpose, run the command again with --accept-new-origin (the new origin is then "
+                        "remembered beside the old one)",
+                    )
                 self._save(key, head, note, client.url)
                 return
             old = known.head

@@ -601,6 +601,50 @@ def test_forked_registry_with_the_same_key_is_refused_as_a_split_view_or_rollbac
         assert not (tmp_path / name).exists()
 
 
+def test_a_pinned_key_accepted_a_log_restarted_under_a_new_origin_regression_origin_not_pinned(
+    tmp_path: Path, home: Path, rkeys: dict[str, Key], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Was: the checkpoint memory is per (key, origin), and nothing tied a key to its origin. The
+    operator kept the key and the URL, started the log again under a new --origin holding 1 of
+    its 6 entries, and 'pull --registry-key' (or a trust-on-first-use pull) exited 0 and said
+    nothing. Now a known key under a new origin is a LogForkError, unless --accept-new-origin."""
+    alice = rkeys["alice"]
+    old, new = tmp_path / "data-old", tmp_path / "data-new"
+    with running_server(old, "--origin", "registry.example/kvgraft") as server:
+        token, _ = make_token(server, "alice", alice)
+        digests = [_publish_artifact(tmp_path, server.url, token, alice, f"entry {i}", remember=False)[0] for i in range(6)]
+        pem = old / "registry-key.pub.pem"
+        code, out, err = _cli(capsys, "pull", "--registry", server.url, "--registry-key", pem, digests[0], "--out",
+                              tmp_path / "pulled-old")
+        assert code == 0 and _memory_file(home)["tree_size"] == 6, err
+    # The same key, a new log under another origin, holding only the first entry.
+    new.mkdir(mode=0o700)
+    for name in ("registry-key.pem", "registry-key.pub.pem"):
+        shutil.copy2(old / name, new / name)
+    with running_server(new, "--origin", "registry.example/kvgraft-v2") as restarted:
+        ntoken, _ = make_token(restarted, "alice", alice)
+        (tmp_path / "v2").mkdir()
+        _publish_artifact(tmp_path / "v2", restarted.url, ntoken, alice, "entry 0", remember=False)
+        for pinned in (("--registry-key", pem), ()):
+            code, out, err = _cli(capsys, "pull", "--registry", restarted.url, *pinned, digests[0], "--out",
+                                  tmp_path / "pulled-new")
+            _one_line_failure(
+                code, out, err, "LogForkError", "possible log restart", "signs log 'registry.example/kvgraft-v2'",
+                "verified that key's log as 'registry.example/kvgraft'", "tree size 6", "--accept-new-origin",
+            )
+            assert not (tmp_path / "pulled-new").exists()
+        assert _memory_file(home)["origin"] == "registry.example/kvgraft"  # nothing remembered for the new origin
+        # Accepted on purpose: the new origin is remembered beside the old one.
+        code, out, err = _cli(capsys, "pull", "--registry", restarted.url, "--registry-key", pem, "--accept-new-origin",
+                              digests[0], "--out", tmp_path / "pulled-new")
+        assert code == 0, err
+        origins = sorted(json.loads(f.read_text())["origin"] for f in (home / "checkpoints").glob("*.json"))
+        assert origins == ["registry.example/kvgraft", "registry.example/kvgraft-v2"]
+        with RegistryClient(restarted.url) as client:  # now known: no flag needed
+            head, _ = client.signed_head(registry_key(client, pem))
+        assert head.size == 1
+
+
 def test_checkpoint_forged_with_the_registry_key_is_refused(
     hostile: _Hostile, tmp_path: Path, home: Path, rkeys: dict[str, Key], capsys: pytest.CaptureFixture[str]
 ) -> None:
