@@ -22,12 +22,17 @@ costs its size again in memory (56 MB for smollm2-135m, 272 MB for qwen2.5-coder
 packed layer's does: the plain weights stay for ties (most small models tie it to the input
 embedding) and state dicts.
 
-Where torch has no oneDNN (``torch.backends.mkldnn``), nothing is packed.
+Where torch has no oneDNN (``torch.backends.mkldnn``), nothing is packed. Where oneDNN has no
+bfloat16 kernels (an AVX2-only CPU, or ``ONEDNN_MAX_CPU_ISA`` capping them), a weight cannot be
+laid out: ``PackedLinear`` refuses, and the profile was refused before that by name
+(``profiles.BF16_CPU_FLAGS``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .errors import ProfileMismatchError
 
 #: Rows the layout is chosen for: a question's pass (any row count runs on it).
 ROWS_HINT = 20
@@ -37,6 +42,14 @@ def can_pack() -> bool:
     """Whether this torch has the oneDNN linear ops the packed layers call."""
     ops = torch.ops.mkldnn
     return bool(torch.backends.mkldnn.is_available()) and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+
+
+def bf16_kernels_enabled() -> bool:
+    """Whether oneDNN runs bfloat16 kernels in this process, which laying a weight out needs:
+    torch's own check (AVX-512 BW, VL and DQ, or AVX-NE-CONVERT, under any ``ONEDNN_MAX_CPU_ISA``
+    cap). False where this torch cannot say (it then has no packing ops either)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
 
 
 class PackedLinear(torch.nn.Module):
@@ -52,6 +65,11 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         if linear.weight.dtype != torch.bfloat16 or linear.weight.device.type != "cpu":
             raise TypeError(f"only bfloat16 CPU weights are packed, not {linear.weight.dtype} on {linear.weight.device}")
+        if not bf16_kernels_enabled():
+            # torch's own error here is a bare RuntimeError from inside the reorder.
+            raise ProfileMismatchError("oneDNN has no bfloat16 kernels in this process (an AVX2-only CPU, or ONEDNN_MAX_CPU_ISA "
+                                       "caps them): bfloat16 weights cannot be packed",
+                                       hint="use a float32 profile (the default, cpu-fp32-sdpa)")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias

@@ -11,6 +11,9 @@ and value rounded to float16 as it enters the cache, during capture, fresh compu
 alike, so artifacts hold half the bytes and a graft still equals its fresh computation bit for
 bit within the profile) or ``bfloat16`` (weights, arithmetic and cache: ``cpu-bf16-sdpa`` and
 the CUDA profiles; the loaded float32 weights are rounded once, in place, by ``placed``).
+A profile whose kernels need CPU flags (``ProfileSettings.cpu_flags``: ``cpu-bf16-sdpa`` needs
+oneDNN's bfloat16 kernels, AVX-512 BW/VL/DQ or AVX-NE-CONVERT) is refused by name on a CPU that
+lacks them, before any kernel runs, with the profile to use instead.
 
 An instruction-set-level profile (``cpu-fp32-x86-64-v3``, ``-v4``) pins the level every math
 library torch calls dispatches to, not the CPU's model name: ATen's vector kernels
@@ -48,7 +51,7 @@ from kvgraft.schemas import DeterminismProfile, ExactnessLevel, ModelRef, Sha256
 
 from . import fast_attention, invariant
 from .errors import ProfileMismatchError, UnknownModelError, UnknownProfileError
-from .packed_linear import pack_linears
+from .packed_linear import bf16_kernels_enabled, can_pack, pack_linears
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -103,6 +106,13 @@ ISA_LEVELS: dict[str, IsaLevel] = {
 }
 
 
+#: What oneDNN's bfloat16 kernels need, which every CPU bfloat16 profile runs (its weights packed
+#: for them, packed_linear.py): AVX-512 BW, VL and DQ, or AVX-NE-CONVERT (torch's own check,
+#: ``torch.ops.mkldnn._is_mkldnn_bf16_supported``). On an AVX2-only CPU packing dies of a
+#: RuntimeError straight from torch ("bf16 path needs the cpu support avx_ne_convert or ...").
+BF16_CPU_FLAGS: tuple[tuple[str, ...], ...] = (("avx512bw", "avx512vl", "avx512dq"), ("avx_ne_convert",))
+
+
 @dataclass(frozen=True)
 class ProfileSettings:
     """The knobs a named profile fixes; the rest of the profile is read off the machine."""
@@ -151,7 +161,7 @@ PROFILES: dict[str, ProfileSettings] = {
     # bfloat16 makes it another model's numbers than the float32 profiles' (llama.cpp rounds its
     # activations to 8 bits for the same reason): an artifact grafts exactly only within it.
     "cpu-bf16-sdpa": ProfileSettings(exactness="own-position", threads=2, attention_implementation=fast_attention.ATTENTION_NAME,
-                                     matmul_tiling="default", dtype="bfloat16", kv_dtype="bfloat16"),
+                                     matmul_tiling="default", dtype="bfloat16", kv_dtype="bfloat16", cpu_flags=BF16_CPU_FLAGS),
     # Machine-independent within a level: the level pinned, not the CPU model (see the module docstring).
     **{f"cpu-fp32-{level}": ProfileSettings(exactness="own-position", threads=2, attention_implementation="eager",
                                             matmul_tiling="default", isa_level=level) for level in ISA_LEVELS},
@@ -368,6 +378,35 @@ def isa_fingerprint(level: IsaLevel) -> str:
     return f"{platform.machine()}; isa-level={level.name}; " + "; ".join(f"{k}={v}" for k, v in level.environment().items())
 
 
+def _require_cpu_flags(name: str, settings: ProfileSettings) -> str:
+    """Refuse profile ``name`` on a CPU whose ``/proc/cpuinfo`` lacks every one of its
+    ``cpu_flags`` alternatives (where there is no ``/proc/cpuinfo``, nothing is refused here);
+    return the hint a refusal gives (the profile to use instead)."""
+    instead = f"use --profile {DEFAULT_PROFILE}, the default, which runs on any x86-64 CPU"
+    flags = _cpu_flags()
+    if settings.cpu_flags and flags is not None and not any(set(option) <= flags for option in settings.cpu_flags):
+        lacking = [[flag for flag in option if flag not in flags] for option in settings.cpu_flags]
+        named = ", or ".join(", ".join(option[:-1]) + " and " + option[-1] if len(option) > 1 else option[0]
+                             for option in lacking)
+        raise ProfileMismatchError(f"profile {name} needs CPU flags this CPU lacks: {named} (/proc/cpuinfo)", hint=instead)
+    return instead
+
+
+def _require_cpu(name: str, settings: ProfileSettings) -> None:
+    """Refuse (``ProfileMismatchError``, one line naming the profile, what this CPU or process
+    lacks and the profile to use) a CPU profile this process cannot run: the CPU's flags
+    (``settings.cpu_flags``, read off ``/proc/cpuinfo``; where there is none, torch decides),
+    then, for a bfloat16 profile, whether oneDNN enables its bfloat16 kernels here at all
+    (``ONEDNN_MAX_CPU_ISA`` can cap them on a CPU that has the flags)."""
+    instead = _require_cpu_flags(name, settings)
+    if settings.dtype == "bfloat16" and can_pack() and not bf16_kernels_enabled():
+        cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
+        raise ProfileMismatchError(
+            f"profile {name} needs oneDNN's bfloat16 kernels, which torch does not enable in this process"
+            + (f" (ONEDNN_MAX_CPU_ISA={cap} caps them)" if cap else ""),
+            hint=instead + (", or start the process without ONEDNN_MAX_CPU_ISA" if cap else ""))
+
+
 def current_profile(name: str | None = None) -> DeterminismProfile:
     """The full profile ``name`` (or its alias; None: ``DEFAULT_PROFILE``) on this machine with
     these library versions."""
@@ -384,6 +423,7 @@ def current_profile(name: str | None = None) -> DeterminismProfile:
     if s.device == "cuda":
         fingerprint = _cuda_fingerprint()
     else:
+        _require_cpu(name, s)
         fingerprint = device_fingerprint() if s.isa_level is None else isa_fingerprint(ISA_LEVELS[s.isa_level])
     return DeterminismProfile(
         name=name,

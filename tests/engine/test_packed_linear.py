@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvgraft.engine import LoadedModel, applied, current_profile, load_model
+from kvgraft.engine import LoadedModel, ProfileMismatchError, applied, current_profile, load_model
 from kvgraft.engine._internal.packed_linear import PackedLinear, can_pack, pack_linears
 from kvgraft.engine._internal.profiles import placed
+from tests.engine.cpu_support import BF16_KERNELS, bf16_runs_here
 
 pytestmark = pytest.mark.skipif(not can_pack(), reason="this torch has no oneDNN linear ops")
 
@@ -39,12 +40,26 @@ def assert_as_f_linear(got: torch.Tensor, want: torch.Tensor, packed: PackedLine
         assert torch.equal(packed(x), got), what
 
 
+def packs_here() -> bool:
+    """True where oneDNN lays bfloat16 weights out here; where it cannot (an AVX2-only CPU),
+    assert that a packed layer is refused by name instead of torch's bare RuntimeError, and
+    return False: the calling test ends there."""
+    if BF16_KERNELS:
+        return True
+    with pytest.raises(ProfileMismatchError, match="^oneDNN has no bfloat16 kernels in this process .*: bfloat16 weights "
+                                                   "cannot be packed"):
+        PackedLinear(torch.nn.Linear(4, 4).to(torch.bfloat16))
+    return False
+
+
 # The registered models' decoder shapes (smollm2-135m, qwen2.5-coder-0.5b, gemma3-270m's MLP).
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (896, 896), (128, 896), (4864, 896), (896, 4864), (2048, 640)]
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 def test_a_packed_linear_equals_f_linear_bit_for_bit_at_every_row_count_without_amx(out_features: int, in_features: int) -> None:
+    if not packs_here():
+        return  # an AVX2-only CPU: packing was refused by name instead
     g = torch.Generator().manual_seed(out_features * 7 + in_features)
     for bias in (False, True):
         linear = torch.nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
@@ -59,6 +74,8 @@ def test_a_packed_linear_equals_f_linear_bit_for_bit_at_every_row_count_without_
 
 
 def test_a_packed_output_embedding_equals_f_linear_bit_for_bit_at_the_rows_a_pass_keeps_without_amx() -> None:
+    if not packs_here():
+        return  # an AVX2-only CPU: packing was refused by name instead
     # smollm2-135m's output embedding (49,152 x 576): the largest product a pass makes, of the
     # few rows it keeps (one for a first token, the continuation's for the exactness experiment).
     g = torch.Generator().manual_seed(49152)
@@ -78,6 +95,8 @@ def test_a_packed_linear_refuses_weights_it_cannot_pack() -> None:
 
 
 def test_the_bf16_profile_packs_every_linear_the_output_embedding_included(own_tiny: LoadedModel) -> None:
+    if not packs_here():
+        return  # an AVX2-only CPU: packing was refused by name instead
     module = own_tiny.module
     linears = sum(isinstance(m, torch.nn.Linear) for m in module.modules())
     x = torch.tensor([[1, 2, 3, 4, 5]])
@@ -96,6 +115,8 @@ def test_the_bf16_profile_packs_every_linear_the_output_embedding_included(own_t
 
 
 def test_placing_a_model_under_the_bf16_profile_packs_it(own_tiny: LoadedModel) -> None:
+    if not bf16_runs_here("cpu-bf16-sdpa"):
+        return  # an AVX2-only CPU: the profile was refused by name instead
     with applied(current_profile("cpu-bf16-sdpa")):
         placed(own_tiny.module)
     assert any(isinstance(m, PackedLinear) for m in own_tiny.module.modules())
