@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 
@@ -11,6 +12,9 @@ from kvgraft.cli import main
 
 #: The installed packages live in separate source folders (pyproject's package-dir), so each is walked.
 PACKAGES = ("kvgraft", "kvgraft.schemas", "kvgraft.verifier", "kvgraft.engine", "kvgraft.registry", "kvgraft.web")
+#: Modules that import a package only their own venv has, by that package: the vLLM connector runs in
+#: .venv-vllm (make vllm) and defines no exception class (kvgraft.integrations.vllm's errors module does).
+OPTIONAL = {"kvgraft.integrations.vllm._internal.connector": "vllm"}
 
 
 def _module_names() -> list[str]:
@@ -19,6 +23,8 @@ def _module_names() -> list[str]:
         names.append(package)
         root = importlib.import_module(package)
         for info in pkgutil.walk_packages(root.__path__, prefix=package + "."):
+            if info.name in OPTIONAL and importlib.util.find_spec(OPTIONAL[info.name]) is None:
+                continue
             if not info.name.endswith("__main__") and not info.name.startswith(tuple(p + "." for p in PACKAGES[1:]) if package == "kvgraft" else ()):
                 names.append(info.name)
     return names

@@ -1,0 +1,67 @@
+"""kvgraft's vLLM KV connector: prefix blocks as signed artifacts, loaded only when they verify.
+
+Used by stock vLLM (docs/vllm.md)::
+
+    vllm serve DIR --kv-transfer-config '{"kv_connector": "KvgraftConnector",
+      "kv_connector_module_path": "kvgraft.integrations.vllm", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"store": "DIR", "key": "PEM", "trusted_keys": "FILE"}}'
+
+``KvgraftConnector`` needs vLLM installed (``make vllm`` builds ``.venv-vllm``) and is imported
+on first use, so the rest of this package (the block format, its verification, the settings)
+imports without vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._internal.binding import config_digest, tokenizer_digest, weights_digest
+from ._internal.blocks import (
+    BlockClaim,
+    block_dir,
+    decode_block,
+    encode_block,
+    read_verified_block,
+    sign_block,
+    write_block,
+)
+from ._internal.errors import (
+    BindingMismatchError,
+    BlockFileError,
+    BlockRefusedError,
+    ChainMismatchError,
+    ConnectorConfigError,
+    ConnectorError,
+)
+from ._internal.predicate import (
+    KV_LAYOUT,
+    VLLM_BLOCK_PREDICATE,
+    VllmBinding,
+    VllmBlockPredicate,
+    VllmBlockStatement,
+    binding_digest,
+    block_chain_key,
+    chain_keys,
+)
+from ._internal.settings import TRUSTED_KEYS_ENV, ConnectorSettings
+
+if TYPE_CHECKING:
+    from ._internal.connector import KvgraftConnector
+
+__all__ = [
+    "KV_LAYOUT", "TRUSTED_KEYS_ENV", "VLLM_BLOCK_PREDICATE", "BindingMismatchError", "BlockClaim", "BlockFileError",
+    "BlockRefusedError", "ChainMismatchError", "ConnectorConfigError", "ConnectorError", "ConnectorSettings",
+    "KvgraftConnector", "VllmBinding", "VllmBlockPredicate", "VllmBlockStatement", "binding_digest", "block_chain_key",
+    "block_dir", "chain_keys", "config_digest", "decode_block", "encode_block", "read_verified_block", "sign_block", "tokenizer_digest",
+    "weights_digest", "write_block",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # vLLM finds the class with getattr(module, "KvgraftConnector"); importing vLLM only then keeps
+    # this package importable where vLLM is not installed (the main .venv, the error-tree walk).
+    if name == "KvgraftConnector":
+        from ._internal.connector import KvgraftConnector
+
+        return KvgraftConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""The vLLM connector's implementation; the public surface is ``kvgraft.integrations.vllm``."""
