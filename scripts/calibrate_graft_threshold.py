@@ -1,7 +1,7 @@
 """Calibrate the library's graft threshold (issue 39): how similar a question must be to a deposited
 problem before that problem's verified entry is grafted as context (answer kind ``assisted``).
 
-    .venv/bin/python scripts/calibrate_graft_threshold.py [--deposited 1000] [--out results/graft-threshold.json]
+    .venv/bin/python scripts/calibrate_graft_threshold.py [--deposited 1000] [--out results/graft-threshold/deposited-1000.json]
 
 The similarity is the library's own: ``ProblemIndex`` is the TF-IDF cosine ``Library.lookup``
 scores entries with, over an index of ``--deposited`` GSM8K train problems (what a library of
@@ -134,7 +134,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--deposited", type=int, default=1000, help="GSM8K train problems in the index (default 1000)")
     parser.add_argument("--target", type=float, default=0.99, help="precision the threshold must reach on the calibration half")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "graft-threshold.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "graft-threshold" / "deposited-1000.json")
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT.parent))

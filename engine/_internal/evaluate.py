@@ -66,7 +66,7 @@ from kvgraft.verifier import (
 )
 
 from .errors import EvaluationError
-from .library import INSTRUCTION, EnergyMeter, Hit, Library, question_text, stop_after_boxed
+from .library import INSTRUCTION, EnergyMeter, Hit, Library, problem_hash, question_text, stop_after_boxed
 from .models import LoadedModel
 from .ops import Decoded, DecodeJob, continue_from, decode_batch
 
@@ -289,6 +289,9 @@ def run_eval(
         "library_entries": len(library.entries) if library is not None else None,
         "library_entry_fixed": fixed_entry,
     }
+    if mode == "library" and library is not None:
+        # Below it a similar entry is not grafted (the model answers unassisted): part of the run.
+        settings["graft_threshold"] = library.graft_threshold
     journal = _Journal(journal_path(out), {
         "model": model.ref.model_dump(mode="json"), "profile": profile.model_dump(mode="json"),
         "dataset": dataset.digest, "doc_ids": doc_ids, "settings": settings,
@@ -307,6 +310,10 @@ def run_eval(
     joules = sum(d.joules for d in done)
     energy_method = "measured" if done and all(d.energy_method == "measured" for d in done) else "estimated"
     outputs = outputs_file_bytes(lines)
+    if library is not None:
+        # How many answers were of each kind (issue 39): recalled, assisted, unassisted.
+        kinds = [_kind(library, dataset, d, fixed=fixed is not None) for d in done]
+        settings.update({kind: kinds.count(kind) for kind in ("recalled", "assisted", "unassisted")})
     settings.update({
         # How many answers the budget cut off: what says whether it bound.
         "cut_off": sum(d.stopped_by == "max_new_tokens" for d in done),
@@ -326,6 +333,19 @@ def run_eval(
     _write_record_dir(out, statement, {OUTPUTS_FILE: outputs}, key=key, passphrase=passphrase)
     journal.path.unlink(missing_ok=True)
     return EvalRun(out, statement, seconds, joules, energy_method)
+
+
+def _kind(library: Library, dataset: Dataset, d: _Done, *, fixed: bool) -> str:
+    """The kind of a finished item's answer from a library: ``recalled`` when the entry grafted is
+    the problem's own (looked up, not ``fixed``: a fixed entry is always a worked example before
+    the problem), ``assisted`` for another entry, ``unassisted`` for none. (An evaluation grades
+    the model's output, a recall's restating included: it measures the model.)"""
+    if d.entry is None:
+        return "unassisted"
+    if fixed:
+        return "assisted"
+    own = {e.artifact for e in library.entries if e.problem_hash == problem_hash(dataset.question(d.doc_id))}
+    return "recalled" if d.entry in own else "assisted"
 
 
 def _item(dataset: Dataset, d: _Done) -> EvaluationItem:
@@ -438,6 +458,9 @@ def eval_command(statement: EvaluationStatement, dataset_path: Path, library: Pa
         cmd += ["--library", str(library)]
     if s.get("library_entry_fixed") is not None:
         cmd += ["--library-entry", str(s["library_entry_fixed"])]
+    elif library is not None and s.get("mode") == "library":
+        # A record made before the threshold grafted the most similar entry at any score: 0 replays it.
+        cmd += ["--graft-threshold", str(s.get("graft_threshold", 0.0))]
     if s.get("batch", 1) != 1:
         cmd += ["--batch", str(s["batch"])]
     return cmd

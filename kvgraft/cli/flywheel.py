@@ -125,16 +125,20 @@ def _cmd_deposit(args: argparse.Namespace) -> dict[str, Any]:
 # --- ask -------------------------------------------------------------------------------------------
 
 
-def _open_library(args: argparse.Namespace, *, asked_model: str | None = None, asked_profile: str | None = None) -> Library:
+def _open_library(args: argparse.Namespace, *, asked_model: str | None = None, asked_profile: str | None = None,
+                  graft_threshold: float | None = None) -> Library:
     """The library of ``--library``, every artifact it grafts verified against the trust options;
     ``asked_model`` / ``asked_profile``, when given, must be the library's (refused before any
-    model loads)."""
+    model loads). ``graft_threshold``: the library's calibrated one unless given."""
     from kvgraft.engine import Library, read_meta, require_library_match
 
     meta = read_meta(args.library)
     require_library_match(args.library, meta, model=asked_model, profile=asked_profile)
     trust = resolve_trust(args)  # refused before any model is loaded
     model, profile = model_and_profile(meta["model"], meta["profile"])
+    if graft_threshold is not None:
+        return Library.open(args.library, model, profile, trusted=trust.keys, insecure_skip_verify=trust.skip,
+                            graft_threshold=graft_threshold)
     return Library.open(args.library, model, profile, trusted=trust.keys, insecure_skip_verify=trust.skip)
 
 
@@ -248,9 +252,15 @@ def _cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     if args.library is not None:
         # The library's model and profile are the evaluation's: a conflicting flag is refused,
         # never silently overridden by the library's.
-        library = _open_library(args, asked_model=args.model, asked_profile=args.profile)
+        if args.graft_threshold is not None and not 0.0 <= args.graft_threshold <= 1.0:
+            raise CliError(f"--graft-threshold {args.graft_threshold} is not a similarity between 0 and 1",
+                           hint="leave it out for the calibrated threshold, or pass 0 to graft the most similar entry always")
+        library = _open_library(args, asked_model=args.model, asked_profile=args.profile, graft_threshold=args.graft_threshold)
         model, profile = library.model, library.profile
     else:
+        if args.graft_threshold is not None:
+            raise CliError("--graft-threshold is for answering from a library, but no --library was given",
+                           hint="pass --library DIR with it, or leave it out")
         model, profile = model_and_profile(args.model, args.profile)
     key, passphrase, _ = signing_key(args)
 
@@ -272,7 +282,11 @@ def _cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
                    passphrase=passphrase, on_item=item)
     a = run.statement.predicate.aggregates
     signature = None if library is None else SKIPPED if library.insecure_skip_verify else "verified"
+    settings = run.statement.predicate.settings
+    # How many answers were recalled, assisted, unassisted (an evaluation from a library only).
+    kinds = {k: settings[k] for k in ("recalled", "assisted", "unassisted") if k in settings}
     return {
+        "kinds": kinds or None,
         "record": str(args.out), "items": a.items, "correct": a.correct, "accuracy": a.accuracy, "signature": signature,
         "prompt_tokens": a.prompt_tokens, "decode_tokens": a.decode_tokens, "seconds": round(run.seconds, 3),
         "energy_joules": run.energy_joules, "energy_method": run.energy_method,
@@ -389,6 +403,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     ev.add_argument("--library-entry", metavar="DIGEST",
                     help="with --library: graft this entry (its artifact's sha256:...) before every problem, "
                     "the control of an unrelated worked example")
+    ev.add_argument("--graft-threshold", type=float, metavar="S",
+                    help="with --library: the least similarity (0-1) at which a similar entry is grafted "
+                    "(default: the calibrated one, docs/library.md); 0 grafts the most similar entry always")
     ev.add_argument("--batch", type=int, default=1, metavar="N",
                     help="decode N problems per forward pass (default 1: one at a time); a stopped run resumes")
     ev.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="decode budget per problem (default 256)")

@@ -151,16 +151,19 @@ def test_deposited_question_is_recalled_with_its_provenance(client: openai.OpenA
     )
     chat = raw.parse()
     kv = chat.to_dict()["kvgraft"]
-    assert (kv["method"], kv["entry"], kv["score"]) == ("exact", entry, 1.0)
+    assert (kv["kind"], kv["method"], kv["entry"], kv["score"], kv["finished"]) == ("recalled", "exact", entry, 1.0, True)
+    # The verified answer of the deposited problem, right, whatever the tiny model restates.
+    reference = str(json.loads((DATA / "gsm8k_train.jsonl").read_text().splitlines()[1])["answer"]).rsplit("#### ", 1)[1]
+    assert kv["answer"] == reference
     assert 1 <= kv["decode_tokens"] <= 16 and kv["signature"].startswith("verified")
     assert kv["context_tokens"] > kv["prompt_tokens"] > 0 and kv["energy_method"] in ("measured", "estimated")
-    assert (raw.headers["x-kvgraft-method"], raw.headers["x-kvgraft-entry"]) == ("exact", entry)
+    assert (raw.headers["x-kvgraft-kind"], raw.headers["x-kvgraft-method"], raw.headers["x-kvgraft-entry"]) == (
+        "recalled", "exact", entry)
     assert chat.object == "chat.completion" and chat.model == MODEL and chat.id.startswith("chatcmpl-")
     assert chat.usage is not None and chat.usage.completion_tokens == kv["decode_tokens"]
     assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
     text = chat.choices[0].message.content
-    assert text is not None and text.startswith("\\boxed{")
-    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert text == "\\boxed{" + reference + "}" and chat.choices[0].finish_reason == "stop"
 
     # The local ask grafts and decodes the same way: the same text, entry and answer.
     local = _local_ask(capsys, libs, libs.first, question)
@@ -196,8 +199,8 @@ def test_new_question_is_answered_with_the_most_similar_entry(client: openai.Ope
     question = libs.questions[0] + " Please answer quickly."
     chat = client.chat.completions.create(**_chat(question, max_tokens=24))
     kv = chat.to_dict()["kvgraft"]
-    assert (kv["method"], kv["entry"]) == ("similar", libs.entry(libs.first, libs.questions[0]))
-    assert 0 < kv["score"] < 1 and kv["decode_tokens"] <= 24
+    assert (kv["kind"], kv["method"], kv["entry"]) == ("assisted", "similar", libs.entry(libs.first, libs.questions[0]))
+    assert 0.66 <= kv["score"] < 1 and kv["decode_tokens"] <= 24
     local = _local_ask(capsys, libs, libs.first, question)
     assert local["entry"] == kv["entry"]
     streamed, chunks = _streamed_chat(client, question, max_tokens=24, stream_options={"include_usage": True})
@@ -205,6 +208,30 @@ def test_new_question_is_answered_with_the_most_similar_entry(client: openai.Ope
     # With include_usage the last chunk has no choices and carries the usage.
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == kv["decode_tokens"]
+
+
+def test_answer_kinds_regression_an_unrelated_question_is_unassisted_never_a_verified_answer(
+        client: openai.OpenAI, libs: Libraries, capsys: pytest.CaptureFixture[str]) -> None:
+    # Was: "Write a haiku about the sea." got an AIME entry grafted at similarity 0.077, and the
+    # last number of a decode the budget cut off came back as its answer.
+    for question in ("Write a haiku about the sea.", "What is 2+2?"):
+        raw = client.chat.completions.with_raw_response.create(**_chat(question, max_tokens=4))
+        chat = raw.parse()
+        kv = chat.to_dict()["kvgraft"]
+        assert (kv["kind"], kv["method"], kv["entry"]) == ("unassisted", "none", None), question
+        assert kv["score"] < 0.66 and kv["context_tokens"] > kv["prompt_tokens"]  # the instruction alone
+        assert (kv["finished"], kv["stopped_by"], kv["answer"]) == (False, "max_new_tokens", None), question
+        assert chat.choices[0].finish_reason == "length"
+        assert (raw.headers["x-kvgraft-kind"], raw.headers["x-kvgraft-entry"]) == ("unassisted", "none")
+        streamed, chunks = _streamed_chat(client, question, max_tokens=4)
+        assert streamed == chat.choices[0].message.content and chunks[-1].to_dict()["kvgraft"]["kind"] == "unassisted"
+    # The command line says so in words: no answer, the model alone.
+    capsys.readouterr()
+    assert main(["ask", "--library", str(libs.first), "--question", "Write a haiku about the sea.", "--max-new-tokens", "4",
+                 "--trusted-keys", str(libs.trust)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("no answer: the model's decode was cut off by the token budget (raise --max-new-tokens)"), out
+    assert "unassisted: the model alone" in out and "recalled" not in out and "verified" not in out.split("signature")[0]
 
 
 def test_stop_strings_cut_the_answer_and_end_decoding(client: openai.OpenAI, libs: Libraries) -> None:
@@ -389,7 +416,8 @@ def test_a_request_past_its_timeout_is_504_and_stops(busy: EngineServer) -> None
 def test_without_a_library_the_model_answers_alone(busy: EngineServer) -> None:
     chat = busy.client().chat.completions.create(**{**_chat("Once upon a time", max_tokens=5), "model": BUSY_MODEL})
     kv = chat.to_dict()["kvgraft"]
-    assert (kv["method"], kv["entry"], kv["signature"], kv["answer"]) == ("none", None, "none (nothing grafted)", None)
+    assert (kv["kind"], kv["method"], kv["entry"], kv["signature"], kv["answer"]) == (
+        "unassisted", "none", None, "none (nothing grafted)", None)
     assert kv["context_tokens"] == kv["prompt_tokens"] > 0 and kv["decode_tokens"] == 5
 
 
@@ -462,12 +490,16 @@ def test_ask_engine_prints_what_the_local_ask_prints(server: EngineServer, libs:
     assert code == 0, err
     remote = json.loads(out)
     assert set(local) <= set(remote)
-    same = ("answer", "text", "entry", "method", "signature", "score", "prompt_tokens", "decode_tokens", "context_tokens")
+    same = ("kind", "finished", "answer", "text", "entry", "method", "signature", "score", "prompt_tokens", "decode_tokens",
+            "context_tokens")
     assert {k: remote[k] for k in same} == {k: local[k] for k in same}
+    assert remote["kind"] == "recalled" and remote["answer"] == str(json.loads(
+        (DATA / "gsm8k_train.jsonl").read_text().splitlines()[1])["answer"]).rsplit("#### ", 1)[1]
     assert remote["engine"] == server.url and remote["model"] == MODEL
     code = main(["ask", "--engine", server.url + "/", "--question", question])
     out, _ = capsys.readouterr()
-    assert code == 0 and out.startswith(f"answer: {local['answer']} (exact entry {local['entry']};")
+    assert code == 0 and out.startswith(f"recalled (verified): {local['answer']} (the deposited problem's checked answer, "
+                                        f"entry {local['entry']}, signature verified"), out
 
 
 def test_ask_engine_failures_are_one_line(server: EngineServer, libs: Libraries, capsys: pytest.CaptureFixture[str]) -> None:

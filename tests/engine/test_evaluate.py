@@ -199,3 +199,28 @@ def test_a_journal_line_that_is_not_a_finished_item_is_refused(tmp_path: Path, t
     with pytest.raises(EvaluationError, match=r"e\.journal\.jsonl line 3 is not a finished item of this evaluation") as e:
         run_eval(tiny, profile, test_set, out, key=key, max_new_tokens=BUDGET)
     assert names in str(e.value) and "delete" in (e.value.hint or "")
+
+
+def test_a_library_eval_counts_answer_kinds_and_grafts_only_above_the_threshold(
+        tmp_path: Path, tiny: LoadedModel, profile: DeterminismProfile, key: Path, library: Library) -> None:
+    from kvgraft.engine._internal.evaluate import eval_command
+
+    train = GSM8K_TRAIN.read_text().splitlines()
+    paraphrase = json.loads(train[2])
+    paraphrase["question"] += " Please answer quickly."
+    unrelated = json.loads(GSM8K_TEST.read_text().splitlines()[0])
+    data = tmp_path / "mixed.jsonl"
+    data.write_text(train[0] + "\n" + train[1] + "\n" + json.dumps(paraphrase) + "\n" + json.dumps(unrelated) + "\n")
+    run = run_eval(tiny, profile, data, tmp_path / "e", key=key, library=library, max_new_tokens=4)
+    p = run.statement.predicate
+    assert (p.settings["recalled"], p.settings["assisted"], p.settings["unassisted"]) == (2, 1, 1)
+    assert p.settings["graft_threshold"] == library.graft_threshold == 0.66
+    assert p.items[3].library_entry is None  # below the threshold: the instruction alone
+    command = eval_command(run.statement, data, library.directory)
+    assert command[command.index("--graft-threshold") + 1] == "0.66"
+    # Threshold 0 grafts the most similar entry at any score, as evaluations before issue 39 did.
+    anything = Library.open(library.directory, tiny, profile, trusted=library.trusted, graft_threshold=0.0)
+    p0 = run_eval(tiny, profile, data, tmp_path / "e0", key=key, library=anything, max_new_tokens=4).statement.predicate
+    assert (p0.settings["assisted"], p0.settings["unassisted"]) == (2, 0) and p0.items[3].library_entry is not None
+    del p0.settings["graft_threshold"]  # a record from before the threshold replays with 0
+    assert "0.0" in eval_command(run.statement.model_copy(update={"predicate": p0}), data, library.directory)

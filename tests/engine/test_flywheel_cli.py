@@ -194,3 +194,26 @@ def test_eval_library_profile_conflict_regression_a_conflicting_profile_or_model
     # The library's own profile, by name or alias, is no conflict.
     code, res, err = _run(capsys, "eval", "--model", "tiny-llama-test", "--profile", "sdpa", *common)
     assert code == 0 and res["items"] == 1, err
+
+
+def test_ask_json_kinds_regression_deposited_questions_are_recalled_and_unrelated_ones_never(
+        tmp_path: Path, key: Path, trust: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Was: an unrelated question came back with `answer` set from a grafted AIME entry, in the same
+    # shape as a verified recall (issue 39).
+    train = _subset(tmp_path, DATA / "gsm8k_train.jsonl", 3)
+    lib = tmp_path / "lib"
+    code, dep, err = _run(capsys, "library", "deposit", "--model", "tiny-llama-test", "--dataset", train, "--library", lib,
+                          "--key", key)
+    assert code == 0 and dep["deposited"] == 3, err
+    for row in map(json.loads, train.read_text().splitlines()):
+        code, ans, err = _run(capsys, "ask", "--library", lib, "--question", row["question"], "--trusted-keys", trust)
+        assert code == 0, err
+        assert (ans["kind"], ans["answer"], ans["finished"]) == ("recalled", row["answer"].rsplit("#### ", 1)[1], True)
+        assert 1 <= ans["decode_tokens"] <= 16 and ans["text"] == "\\boxed{" + ans["answer"] + "}"
+        assert ans["summary"].startswith(f"recalled (verified): {ans['answer']} ")
+    for question in ("What is the capital of France?", "Write a haiku about the sea.", "How many legs does a spider have?"):
+        code, ans, err = _run(capsys, "ask", "--library", lib, "--question", question, "--max-new-tokens", "6",
+                              "--trusted-keys", trust)
+        assert code == 0, err
+        assert (ans["kind"], ans["entry"]) == ("unassisted", None) and ans["summary"].startswith(("unverified answer: ", "no answer: "))
+        assert "recalled" not in ans["summary"]
