@@ -39,6 +39,7 @@ $(MODELS_STAMP): $(STAMP) engine/_internal/models.py
 # pytest exits 5 when it collected no test; that is a failure here, as is any other non-zero.
 test: system-packages-test $(MODELS_STAMP) vllm
 	$(BIN)/ruff check .
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet  # the docs site (mkdocs.yml): a broken link or anchor fails
 	bash scripts/typecheck.sh $(BIN)/python
 	$(BIN)/python -m pytest
 
