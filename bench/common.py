@@ -238,6 +238,6 @@ def kvgraft_serve(data: Path, extra: list[str]) -> Iterator[int]:
     """``kvgraft serve --data DATA EXTRA`` on 127.0.0.1 at a free port (its log in ``DATA/../serve.log``),
     answering before this yields the port; stopped with SIGTERM (then SIGKILL after 30 s) on exit."""
     port = free_port()
-    argv = [*KVGRAFT, "serve", "--data", str(data), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *extra]
+    argv = [*KVGRAFT, "serve", "--data", str(data), "--init", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *extra]
     with server_process(argv, data.parent / "serve.log", port, "/v1/log/checkpoint") as ready:
         yield ready

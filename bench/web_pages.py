@@ -294,7 +294,7 @@ def serve(data: Path) -> Iterator[str]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvgraft", "serve", "--data", str(data), "--port", str(port), "--log-level", "warning"],
+        [sys.executable, "-m", "kvgraft", "serve", "--data", str(data), "--init", "--port", str(port), "--log-level", "warning"],
         cwd=ROOT,
     )
     try:

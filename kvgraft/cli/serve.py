@@ -145,7 +145,7 @@ def _cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
             hint="pass positive sizes and counts, a rate limit >= 0, a burst >= 1, a scrub interval >= 0, a batch wait of 0 to 1000 ms "
             "and --database as postgresql://USER@HOST:PORT/DBNAME",
         ) from e
-    started = serve(args.data, host=args.host, port=args.port, settings=settings, log_level=args.log_level)
+    started = serve(args.data, host=args.host, port=args.port, settings=settings, log_level=args.log_level, init=args.init)
     if not started:
         raise CliError(f"the registry server on {args.host}:{args.port} did not start", hint="see the log above (is the port in use?)")
     return {"data": str(args.data), "summary": f"registry server for {args.data} stopped"}
@@ -264,6 +264,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                           help="run the registry server (Litestar under uvicorn) over a data directory")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument("--init", action="store_true",
+                       help="create DATA if it does not exist and start a new registry there (without it a missing "
+                       "DATA is refused; an existing empty one is initialised either way)")
     serve.add_argument("--origin", help="the log's name in its checkpoints; fixed at first start (default: from the registry key)")
     serve.add_argument("--max-blob-bytes", type=int, default=d.max_blob_bytes, metavar="N", help="largest blob accepted")
     serve.add_argument("--max-envelope-bytes", type=int, default=d.max_envelope_bytes, metavar="N",

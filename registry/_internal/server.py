@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import ipaddress
 import json
 import logging
+import shutil
+import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -173,11 +177,77 @@ def _http_protocol(settings: RegistrySettings) -> type[asyncio.Protocol] | str:
         return "h11"
 
 
-def serve(data_dir: Path, *, host: str, port: int, settings: RegistrySettings, log_level: str = "info") -> bool:
+def _check_data_dir(data_dir: Path, *, init: bool) -> bool:
+    """Whether ``data_dir`` is new to the registry (missing, or an empty directory); ``ConfigError``
+    for a missing one without ``init`` (a mistyped path must not start a new registry with a new
+    key) and for a path that is not a directory."""
+    if not data_dir.exists():
+        if init:
+            return True
+        raise ConfigError(
+            f"the data directory {data_dir} does not exist",
+            hint=f"check the path for an existing registry; to start a new one there, create it (mkdir {data_dir}) "
+            "or pass --init",
+        )
+    if not data_dir.is_dir():
+        raise ConfigError(f"the data directory {data_dir} is not a directory", hint="pass a registry's data directory")
+    try:
+        return not any(data_dir.iterdir())
+    except OSError as e:
+        raise ConfigError(f"cannot read the data directory {data_dir}: {e.strerror or e}") from e
+
+
+def _undo_init(data_dir: Path) -> Callable[[], None]:
+    """Create ``data_dir`` (and missing parents) if needed; return what puts things back as they
+    were: the created folders removed, or an existing empty directory emptied again."""
+    missing = [p for p in (data_dir, *data_dir.parents) if not p.exists()]
+    try:
+        data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the data directory {data_dir}: {e.strerror or e}") from e
+
+    def undo() -> None:
+        if missing:
+            shutil.rmtree(missing[-1], ignore_errors=True)
+            return
+        for child in list(data_dir.iterdir()):
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    child.unlink()
+
+    return undo
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (as uvicorn binds one), before anything is written: a port
+    in use stops the start with nothing created."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family=family, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {e.strerror or e}; nothing was started or created",
+            hint="stop the process using the port, or pass another --port (and --host)",
+        ) from e
+    return sock
+
+
+def serve(
+    data_dir: Path, *, host: str, port: int, settings: RegistrySettings, log_level: str = "info", init: bool = False
+) -> bool:
     """Serve ``data_dir`` on ``host:port`` until interrupted (SIGINT/SIGTERM); False if it never started.
 
-    The data directory is opened once before the server starts, so that a bad setting, a
-    locked database or a damaged log is reported plainly instead of from inside uvicorn.
+    ``data_dir`` must exist (``init``: it is created). A missing or empty one is initialised (a
+    new registry key and log) and the log says so; if the start then fails (the port is in use,
+    a bad setting, the database or blob store refuses) nothing is left of that initialisation.
+    The port is bound first, then the data directory is opened once before the server starts,
+    so that a bad setting, a locked database or a damaged log is reported plainly instead of
+    from inside uvicorn.
     """
     import uvicorn
 
@@ -185,6 +255,11 @@ def serve(data_dir: Path, *, host: str, port: int, settings: RegistrySettings, l
 
     if not 1 <= port <= 65535:
         raise ConfigError(f"port {port} is not between 1 and 65535", hint="pass --port 8000, or another free port")
+    fresh = _check_data_dir(data_dir, init=init)
+    how = "was empty" if data_dir.is_dir() else "was created: --init"
+    sock = _listen(host, port)
+    undo: Callable[[], None] | None = None
+    started = False
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
     registry_logger = logging.getLogger("kvgraft.registry")
@@ -192,8 +267,13 @@ def serve(data_dir: Path, *, host: str, port: int, settings: RegistrySettings, l
     registry_logger.setLevel(log_level.upper())
     registry_logger.propagate = False
     try:
-        with Registry.open(data_dir, settings):
-            pass
+        undo = _undo_init(data_dir) if fresh else None
+        with Registry.open(data_dir, settings) as registry:
+            if fresh:
+                registry_logger.warning(
+                    "initialised a new registry in %s (the directory %s): a new registry key %s, log origin %s",
+                    data_dir, how, registry.data.public_key_path, registry.log.origin,
+                )
         app = create_app(data_dir, dataclasses.replace(settings, admin_url=local_url(host, port)))
         config = uvicorn.Config(
             app,
@@ -210,8 +290,13 @@ def serve(data_dir: Path, *, host: str, port: int, settings: RegistrySettings, l
             timeout_graceful_shutdown=10,
         )
         server = uvicorn.Server(config)
-        server.run()
-        return bool(server.started)
+        server.run(sockets=[sock])
+        started = bool(server.started)
+        return started
     finally:
+        sock.close()
+        if undo is not None and not started:
+            # A start that failed leaves no new registry behind (no key, no database).
+            undo()
         registry_logger.removeHandler(handler)
         registry_logger.propagate = True

@@ -322,7 +322,8 @@ class Server(KvgraftProcess):
     def __init__(self, data: Path, log: Path, *extra: str) -> None:
         self.data = data
         port = free_port()
-        super().__init__(["serve", "--data", str(data), "--port", str(port), "--log-level", "warning", *extra], log, port)
+        # --init: a test's data directory may not exist yet (kvgraft serve refuses a missing one without it).
+        super().__init__(["serve", "--data", str(data), "--init", "--port", str(port), "--log-level", "warning", *extra], log, port)
 
     def ready(self) -> bool:
         return httpx.get(self.url + "/v1/log/checkpoint", timeout=2).status_code == 200

@@ -86,9 +86,11 @@ def test_a_bad_database_url_is_one_clear_line(tmp_path: Path) -> None:
     done = registry_cli("serve", "--data", tmp_path / "d", "--database", "mysql://x/y", "--port", "1")
     assert done.returncode != 0
     assert "must be a postgresql:// URL" in done.stderr and "Traceback" not in done.stderr
-    done = registry_cli("serve", "--data", tmp_path / "d", "--database", "postgresql://nobody@127.0.0.1:1/none", "--port", "1")
+    done = registry_cli("serve", "--data", tmp_path / "d", "--init", "--database", "postgresql://nobody@127.0.0.1:1/none",
+                        "--port", str(free_port()))
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "cannot connect to the registry's PostgreSQL database postgresql://nobody@127.0.0.1:1/none" in done.stderr
+    assert not (tmp_path / "d").exists()  # a failed start leaves no new registry behind
 
 
 # --- several server processes on one database ------------------------------------------------------

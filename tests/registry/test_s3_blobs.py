@@ -255,7 +255,7 @@ def test_s3_failures_map_to_503_and_507_without_naming_the_store() -> None:
 
 
 def test_serve_refuses_a_missing_bucket_and_wrong_credentials_in_one_line(tmp_path: Path, s3: S3Store) -> None:
-    base = ["serve", "--data", tmp_path / "data", "--port", str(free_port())]
+    base = ["serve", "--data", tmp_path / "data", "--init", "--port", str(free_port())]
     nobucket = registry_cli(*base, *s3.flags()[2:], "--blob-store", f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/p")
     assert nobucket.returncode == 1 and "Traceback" not in nobucket.stderr
     assert "cannot be used: the bucket does not exist" in nobucket.stderr and "create the bucket" in nobucket.stderr

@@ -4,6 +4,7 @@ budget, ``serve --data``, tampered local copies, file modes, messages), each nam
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import socket
 import time
@@ -15,7 +16,7 @@ import pytest
 
 from kvgraft.schemas import DocumentError, canonical_json, check_subject_names, parse_statement
 from kvgraft.verifier import envelope_json, ephemeral_signing_key, sign_envelope
-from tests.registry.conftest import Key, Server, artifact, harness, running_server
+from tests.registry.conftest import Key, Server, artifact, free_port, harness, registry_cli, running_server
 
 # --- subject names that cannot be files ------------------------------------------------------------
 
@@ -165,3 +166,85 @@ def test_http_regression_small_trailers_are_still_served(live: Server) -> None:
         sock.sendall(request)
         answer = _read_until_closed(sock, time.monotonic() + 10)
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+
+
+# --- kvgraft serve --data DIR: a missing DIR, an empty one, a failed start ---------------------------
+
+
+def test_serve_regression_a_mistyped_data_dir_started_a_new_registry(tmp_path: Path) -> None:
+    # Was: a missing DIR was created with a new registry key and log, even when the start then failed.
+    typo = tmp_path / "regsitry"
+    done = registry_cli("serve", "--data", typo, "--port", str(free_port()), timeout=60)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.splitlines() == [
+        f"kvgraft: ConfigError: the data directory {typo} does not exist (hint: check the path for an existing "
+        f"registry; to start a new one there, create it (mkdir {typo}) or pass --init)"
+    ]
+    assert not typo.exists()
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["init", "empty-dir"])
+def test_serve_regression_a_failed_start_left_a_new_registry_behind(tmp_path: Path, existing: bool) -> None:
+    # Was: the data directory was initialised (key, database) before the port was bound.
+    data = tmp_path / "new"
+    if existing:
+        data.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = registry_cli("serve", "--data", data, "--init", "--port", str(port), timeout=60)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert f"kvgraft: ConfigError: cannot listen on 127.0.0.1:{port}: " in done.stderr
+    assert "nothing was started or created" in done.stderr and "pass another --port" in done.stderr
+    assert len(done.stderr.splitlines()) == 1
+    assert (list(data.iterdir()) == []) if existing else not data.exists()
+
+
+def test_serve_regression_an_empty_data_dir_is_initialised_and_says_so(tmp_path: Path) -> None:
+    data = tmp_path / "empty"
+    data.mkdir()
+    with running_server(data) as server:
+        assert httpx.get(server.url + "/v1/log/checkpoint", timeout=10).status_code == 200
+        log = server.log()
+    assert f"initialised a new registry in {data} (the directory was empty): a new registry key" in log
+    assert (data / "registry-key.pem").exists()
+    # A second start over the same directory initialises nothing and says nothing of it.
+    with running_server(data) as server:
+        log = server.log()
+    assert "initialised a new registry" not in log
+
+
+# --- publishing a corrupt local copy --------------------------------------------------------------------
+
+
+def test_publish_regression_a_tampered_copy_whose_blob_the_registry_has_exited_0(tmp_path: Path, rkeys: dict[str, Key]) -> None:
+    # Was: the blob was skipped (the registry has it), the envelope answered 200 (already logged),
+    # and the user was never told that their copy no longer matches what they signed.
+    from tests.reliability.servers import make_token
+
+    art = artifact("a copy that rots")
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "kv.safetensors").write_bytes(art.tensors)
+    (good / "statement.dsse.json").write_bytes(rkeys["alice"].sign(art.statement))
+    data = tmp_path / "data"
+    with running_server(data) as server:
+        token, _ = make_token(server, "alice", rkeys["alice"])
+        common = ["--registry", server.url, "--token", token, "--registry-key", data / "registry-key.pub.pem"]
+        first = registry_cli("publish", *common, good, timeout=120)
+        assert first.returncode == 0, first.stderr
+        bad = tmp_path / "bad"
+        bad.mkdir()
+        (bad / "statement.dsse.json").write_bytes((good / "statement.dsse.json").read_bytes())
+        tensors = bytearray(art.tensors)
+        tensors[100] ^= 0x01
+        (bad / "kv.safetensors").write_bytes(bytes(tensors))
+        done = registry_cli("publish", *common, bad, timeout=120)
+        entries = httpx.get(server.url + "/v1/entries", timeout=10).json()["items"]
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    got = "sha256:" + hashlib.sha256(bytes(tensors)).hexdigest()
+    assert f"your local copy is corrupt: kv.safetensors in {bad} hashes to {got}, but the signed statement names {art.digest}" in done.stderr
+    assert "nothing was published" in done.stderr and "kvgraft pull" in done.stderr
+    assert len(entries) == 1
