@@ -12,7 +12,7 @@ from typing import Any
 from .errors import LocalFilesError, ParentNotPublishedError, RegistryNotFoundError, RegistryResponseError
 from .evidence import RegistryKey, registry_key, verify_entry_evidence
 from .http import CHUNK, Progress, RegistryClient, progress_bar, sha256_of
-from .store import LocalEntry, find_local_artifact, read_local
+from .store import LocalEntry, file_digest, find_local_artifact, read_local
 
 #: No real chain is this deep; a cycle cannot make publish or pull recurse forever.
 MAX_CHAIN = 1_000
@@ -113,6 +113,10 @@ def _publish(
     wanted = dict((d, p) for _, d, p in reversed(local.subjects))
     missing = [(d, p) for d, p in wanted.items() if client.blob_size(d) is None]
     skipped = tuple(d for d in wanted if d not in dict(missing))
+    # The registry checks what it is sent, but not what it already holds: a local copy of those is
+    # checked here, before anything is sent, so a corrupt copy is never published as if it were good.
+    for d in skipped:
+        _check_local_copy(directory, d, wanted[d], client.url)
     sizes = []
     for d, p in missing:
         try:
@@ -150,6 +154,24 @@ def _publish(
         parents=tuple(parents),
         notes=tuple(notes),
     )
+
+
+def _check_local_copy(directory: Path, digest: str, path: Path, url: str) -> None:
+    """Refuse a local subject file that does not hash to the digest its signed statement names
+    (``LocalFilesError``); a file that is absent is fine, since the registry holds the blob."""
+    try:
+        got = file_digest(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise LocalFilesError(f"cannot read {path}: {e.strerror}") from e
+    if got != digest:
+        raise LocalFilesError(
+            f"your local copy is corrupt: {path.relative_to(directory)} in {directory} hashes to {got}, but the "
+            f"signed statement names {digest} (which {url} already holds); nothing was published",
+            hint=f"restore the file from a good copy (an artifact: kvgraft pull ITS_DIGEST --registry {url} --out NEW_DIR), "
+            "or capture or sign it again",
+        )
 
 
 def _upload_file(client: RegistryClient, digest: str, path: Path, size: int, bar: Progress) -> None:
