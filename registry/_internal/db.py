@@ -593,7 +593,13 @@ class Database:
         deadline = time.monotonic() + wait_seconds
         while True:
             try:
-                conn = duckdb.connect(str(path))
+                # The file holds token hashes and every publisher's metadata: created 0600 (DuckDB
+                # takes no mode, so the process umask decides; the server keeps 077 for its WAL).
+                old_umask = os.umask(0o077)
+                try:
+                    conn = duckdb.connect(str(path))
+                finally:
+                    os.umask(old_umask)
                 break
             except duckdb.Error as e:
                 if not _is_lock_conflict(e):

@@ -8,6 +8,7 @@ import dataclasses
 import ipaddress
 import json
 import logging
+import os
 import shutil
 import socket
 import sys
@@ -203,6 +204,9 @@ def _undo_init(data_dir: Path) -> Callable[[], None]:
     missing = [p for p in (data_dir, *data_dir.parents) if not p.exists()]
     try:
         data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # A new registry's directory is its owner's alone, as one the registry creates is: it will
+        # hold the signing key, token hashes and the database (an empty one made by mkdir is 0755).
+        data_dir.chmod(0o700)
     except OSError as e:
         raise ConfigError(f"cannot create the data directory {data_dir}: {e.strerror or e}") from e
 
@@ -258,6 +262,9 @@ def serve(
     fresh = _check_data_dir(data_dir, init=init)
     how = "was empty" if data_dir.is_dir() else "was created: --init"
     sock = _listen(host, port)
+    # Every file this process creates without an explicit mode is private: the database and its
+    # WAL (DuckDB takes no mode) hold token hashes. Public files (blobs) are chmod'ed explicitly.
+    os.umask(0o077)
     undo: Callable[[], None] | None = None
     started = False
     handler = logging.StreamHandler(sys.stderr)

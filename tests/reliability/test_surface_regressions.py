@@ -248,3 +248,36 @@ def test_publish_regression_a_tampered_copy_whose_blob_the_registry_has_exited_0
     assert f"your local copy is corrupt: kv.safetensors in {bad} hashes to {got}, but the signed statement names {art.digest}" in done.stderr
     assert "nothing was published" in done.stderr and "kvgraft pull" in done.stderr
     assert len(entries) == 1
+
+
+# --- file modes of what a registry keeps secret ---------------------------------------------------------
+
+
+def test_registry_regression_database_was_created_world_readable(tmp_path: Path, rkeys: dict[str, Key]) -> None:
+    # Was: registry.duckdb (token hashes, every publisher's metadata) was created 0644, and a data
+    # directory made with mkdir stayed 0755, so any user of the host could read it.
+    import stat
+
+    from tests.reliability.servers import make_token
+
+    def private(path: Path) -> bool:
+        return stat.S_IMODE(path.stat().st_mode) & 0o077 == 0
+
+    data = tmp_path / "data"
+    data.mkdir()
+    data.chmod(0o755)
+    with running_server(data) as server:
+        make_token(server, "alice", rkeys["alice"])  # a write: the token's hash goes to the database (and its WAL)
+        # Everything but the public key (meant to be handed out) is the owner's alone.
+        files = sorted(p for p in data.iterdir() if p.is_file() and p.name != "registry-key.pub.pem")
+        assert data / "registry.duckdb" in files
+        for path in files:
+            assert private(path), f"{path.name} has mode {stat.S_IMODE(path.stat().st_mode):04o}"
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    assert private(data / "registry.duckdb")
+
+    # An admin command that creates the database (no server running) makes it 0600 too.
+    admin = tmp_path / "admin"
+    done = registry_cli("key", "add", "--data", admin, "--publisher", "alice", "--public-key", rkeys["alice"].pub_path)
+    assert done.returncode == 0, done.stderr
+    assert private(admin / "registry.duckdb") and stat.S_IMODE(admin.stat().st_mode) == 0o700
