@@ -72,7 +72,7 @@ from .sequencer import Sequencer
 from .service import Page, PreparedPublish, Published, Registry
 from .settings import RegistrySettings
 from .tiles import CHECKPOINT_CACHE, IMMUTABLE, TILES_PREFIX, tile_resource
-from .ui import static_router, ui_router
+from .ui import browser_error_page, static_router, ui_router
 
 logger = logging.getLogger("kvgraft.registry")
 
@@ -151,7 +151,10 @@ def _registry_error(request: Request[Any, Any, Any], exc: RegistryError) -> Resp
     )
 
 
-def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[dict[str, Any]]:
+def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
+    page = browser_error_page(request, exc)  # a browser's path (not /v1, /schema, /tlog) gets an HTML page
+    if page is not None:
+        return page
     status = exc.status_code
     try:
         title = http.HTTPStatus(status).phrase
@@ -731,10 +734,15 @@ async def list_artifacts(
 
 
 @get("/v1/artifacts/{digest:str}", guards=[read_guard], summary="One artifact")
-async def get_artifact(request: Request[Any, Any, Any], digest: FromPath[str]) -> ArtifactDocument:
-    """An artifact by its tensors' digest: statement, envelope, entry, lineage, inclusion proof, checkpoint."""
+async def get_artifact(
+    request: Request[Any, Any, Any], digest: FromPath[str], signer: FromQuery[str | None] = None
+) -> ArtifactDocument:
+    """An artifact by its tensors' digest: statement, envelope, entry, lineage, inclusion proof, checkpoint.
+
+    The entry is the first signed by key ``signer`` (a key id) when given, else the first logged;
+    ``other_entries`` lists every other claim on the same tensors, with its signers' key ids."""
     parse_digest_ref(digest, what="artifact digest")
-    return _wire(ArtifactDocument, await _run(_registry(request).artifact, digest))
+    return _wire(ArtifactDocument, await _run(_registry(request).artifact, digest, signer))
 
 
 @get("/v1/records", guards=[read_guard], summary="List records")

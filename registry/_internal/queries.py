@@ -421,9 +421,35 @@ def indices_of(db: Database, digests: Iterable[str]) -> dict[str, int]:
     return {str(d): int(i) for d, i in rows}
 
 
-def artifact_entries(db: Database, digest: str) -> list[EntryRow]:
-    """Every entry of the KV artifact whose tensors have ``digest``, in log order (the first describes it)."""
-    return [_entry_row(v) for v in _select(db, _FULL_COLUMNS, "WHERE artifact_digest = ? ORDER BY log_index", [digest])]
+#: Entries of one tensor digest read at most for its artifact document and page (each is a claim
+#: by whoever logged it; a log of more is a flood, and its first ones are what is shown).
+MAX_ARTIFACT_CLAIMS = 1000
+
+
+def artifact_entries(db: Database, digest: str, limit: int = MAX_ARTIFACT_CLAIMS) -> list[EntryRow]:
+    """The entries of the KV artifact whose tensors have ``digest``, in log order, at most ``limit``.
+
+    Each is a claim by its publisher: none owns the digest (the first is only the oldest).
+    """
+    tail = f"WHERE artifact_digest = ? ORDER BY log_index LIMIT {int(limit)}"
+    return [_entry_row(v) for v in _select(db, _FULL_COLUMNS, tail, [digest])]
+
+
+def check_signer(signer: str | None) -> str | None:
+    """``signer`` (a key id: 64 lowercase hex digits, as ``keyids`` holds them) or None; else ``BadRequestError``."""
+    if signer is not None and not (len(signer) == 64 and all(c in "0123456789abcdef" for c in signer)):
+        raise BadRequestError(
+            f"signer {signer[:80]!r} is not a key id",
+            hint="pass the signing key's id: 64 lowercase hex digits (sha256 of its raw public key), as 'keyids' shows",
+        )
+    return signer
+
+
+def claim_by(rows: list[EntryRow], signer: str | None) -> EntryRow | None:
+    """The first of an artifact's ``rows`` signed by key ``signer`` (the first of all without one); None if none."""
+    if signer is None:
+        return rows[0] if rows else None
+    return next((r for r in rows if signer in r.keyids), None)
 
 
 def first_artifact_entry(db: Database, digest: str) -> EntryRow | None:

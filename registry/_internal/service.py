@@ -909,20 +909,32 @@ class Registry:
             listing = queries.entries(self.db, where, seek)
         return _page([_artifact_summary(r) for r in listing.rows], listing)
 
-    def artifact(self, digest: str) -> dict[str, Any]:
-        """An artifact by its tensors digest: statement, envelope, entry, lineage, proof, checkpoint."""
+    def artifact(self, digest: str, signer: str | None = None) -> dict[str, Any]:
+        """An artifact by its tensors digest: statement, envelope, entry, lineage, proof, checkpoint.
+
+        Anyone may log a statement about any tensors, so no entry owns a digest: the document is
+        built from the first entry signed by key ``signer`` (a key id) when given, else from the
+        first logged, and ``other_entries`` names every other claim with its signers' key ids.
+        """
+        signer = queries.check_signer(signer)
         with self.db.lock:
             rows = queries.artifact_entries(self.db, digest)
             if not rows:
                 raise ArtifactNotFoundError(f"no KV artifact with tensors {digest} is in this registry")
-            first = rows[0]
+            first = queries.claim_by(rows, signer)
+            if first is None:
+                raise ArtifactNotFoundError(
+                    f"no entry of the KV artifact {digest} is signed by key {signer}; {len(rows)} entr"
+                    f"{'y' if len(rows) == 1 else 'ies'} by other keys claim these tensors",
+                    hint="ask without signer to see every claim (other_entries), or pass the key id of the publisher you trust",
+                )
             stored = queries.stored_envelope(self.db, first.log_index)
             envelope_bytes = b"" if stored is None else stored.envelope
             head = self._head
             document = {
                 "artifact": _artifact_summary(first, full_text=True),
                 "entry": self._render([first])[0],
-                "other_entries": [{"log_index": r.log_index, "digest": r.digest, "publisher": r.publisher} for r in rows[1:]],
+                "other_entries": _other_claims(rows, first),
                 "statement": _statement_json(envelope_bytes),
                 "envelope": parse_json(envelope_bytes, what="stored envelope"),
                 "lineage": self._lineage(first),
@@ -967,6 +979,14 @@ class Registry:
 
 
 # --- helpers -----------------------------------------------------------------------------------
+
+
+def _other_claims(rows: list[EntryRow], chosen: EntryRow) -> list[dict[str, Any]]:
+    """Every entry of an artifact but ``chosen``, in log order: each a claim by its own signers."""
+    return [
+        {"log_index": r.log_index, "digest": r.digest, "publisher": r.publisher, "keyids": list(r.keyids)}
+        for r in rows if r.log_index != chosen.log_index
+    ]
 
 
 def _check_join(artifact: ArtifactFields, parent: EntryRow) -> None:

@@ -426,8 +426,12 @@ def _entry_page_rows(registry: Registry, row: EntryRow) -> tuple[dict[str, Any],
     return _entry_dict(row, subjects), b"" if stored is None else stored.envelope
 
 
-def artifact_context(registry: Registry, digest: str, base: str | None) -> dict[str, Any]:
+def artifact_context(registry: Registry, digest: str, base: str | None, signer: str | None = None) -> dict[str, Any]:
     """An artifact page: statement fields, re-verified signature, lineage, proof, downloads, commands.
+
+    No entry owns a tensor digest: the page shows the first entry signed by key ``signer`` when
+    given (``?signer=KEYID``), else the first logged, and names every other claim with a link to
+    its own view (``other_entries``).
 
     ``base`` is the registry address the commands use (``command_base``). The database lock is
     held only to read rows; the signature is verified after it is released. The context's
@@ -435,12 +439,14 @@ def artifact_context(registry: Registry, digest: str, base: str | None) -> dict[
     statement no longer reads as a KV artifact statement (old data).
     """
     parse_digest_ref(digest, what="artifact digest")
+    signer = queries.check_signer(signer)
     refers = RecordFilter(artifact=digest).where(artifacts_hint="")
     with registry.db.lock:
         rows = queries.artifact_entries(registry.db, digest)
-        first = rows[0] if rows else None
+        first = queries.claim_by(rows, signer)
         if first is None or first.artifact is None:
-            raise ArtifactNotFoundError(f"no KV artifact with tensors {digest} is in this registry")
+            by = "" if signer is None or not rows else f" signed by key {signer}"
+            raise ArtifactNotFoundError(f"no KV artifact with tensors {digest}{by} is in this registry")
         entry, envelope_bytes = _entry_page_rows(registry, first)
         parents, cut = _ancestors(registry, digest, first.artifact.parent)
         children = [
@@ -492,7 +498,10 @@ def artifact_context(registry: Registry, digest: str, base: str | None) -> dict[
         **common,
         "template": "artifact.html",
         "artifact": artifact,
-        "other_entries": [{"log_index": r.log_index, "digest": r.digest, "publisher": r.publisher} for r in rows[1:]],
+        "other_entries": [
+            {"log_index": r.log_index, "digest": r.digest, "publisher": r.publisher, "keyids": list(r.keyids)}
+            for r in rows if r.log_index != first.log_index
+        ],
         "statement": statement,
         "p": p,
         "lineage": lineage_view(artifact, parents, children, cut=cut, limit=registry.settings.max_lineage_depth),
@@ -524,10 +533,12 @@ def _read_statement(envelope_bytes: bytes) -> tuple[Statement | None, Any, str |
 
 
 @get("/artifacts/{digest:str}", guards=[_guard], include_in_schema=False)
-async def artifact(request: Request[Any, Any, Any], digest: FromPath[str]) -> Response[str]:
-    """One artifact, with who signed it and what proves it."""
+async def artifact(
+    request: Request[Any, Any, Any], digest: FromPath[str], signer: FromQuery[str | None] = None
+) -> Response[str]:
+    """One artifact as one entry claims it (``?signer=KEYID``: the first that key signed), with who signed it and what proves it."""
     registry = _registry(request)
-    context = await _run(artifact_context, registry, digest, command_base(registry))
+    context = await _run(artifact_context, registry, digest, command_base(registry), signer)
     return _html(request, context.pop("template"), **context)
 
 

@@ -832,10 +832,12 @@ class RegistryClient:
             "GET", f"/v1/entries/{ref}/envelope", limit=self.limits.max_envelope_bytes, what="an envelope"
         )[1]
 
-    def artifact(self, digest: str) -> ArtifactDocument:
-        """``GET /v1/artifacts/sha256:HEX``: the artifact by its tensors' digest."""
+    def artifact(self, digest: str, *, signer: str | None = None) -> ArtifactDocument:
+        """``GET /v1/artifacts/sha256:HEX``: the artifact by its tensors' digest, as the first entry
+        signed by key id ``signer`` claims it (default: the first entry logged)."""
         path = f"/v1/artifacts/{checked_digest(digest, 'artifact digest')}"
-        return self._document(ArtifactDocument, path, "the artifact document")[1]
+        params = {} if signer is None else {"signer": signer}
+        return self._document(ArtifactDocument, path, "the artifact document", params=params)[1]
 
     def _pages(self, path: str, params: dict[str, Any], *, below: int | None = None) -> Iterator[dict[str, Any]]:
         """Every item of a paged listing, in log order, up to (not including) log index ``below``.

@@ -13,6 +13,7 @@ from typing import Any
 from kvgraft.schemas import (
     KV_FILE,
     STATEMENT_FILE,
+    ArtifactDocument,
     KvArtifactStatement,
     SchemaError,
     StagedDirectory,
@@ -152,6 +153,28 @@ def _check_link(url: str, child: PullResult, parent: PullResult) -> None:
         )
 
 
+def _claim(client: RegistryClient, digest: str, trusted: TrustedKeys | None) -> ArtifactDocument:
+    """The artifact document of the entry the trusted keys signed, when one of them did.
+
+    Anyone may log a statement about any tensors: the first entry logged is only the oldest
+    claim. With ``trusted`` keys the first claim the registry says one of them signed is asked
+    for (``?signer=``); the envelope's signature is then verified here as for any entry (the
+    registry's word on who signed decides nothing). Without, or when no claim names a trusted
+    key, the first entry logged (whose signature then fails against ``trusted``).
+    """
+    doc = client.artifact(digest)
+    if trusted is None:
+        return doc
+    wanted = {str(k.keyid) for k in trusted.keys}
+    if wanted & set(doc.entry.keyids):
+        return doc
+    for other in doc.other_entries:
+        signer = next((k for k in other.keyids if k in wanted), None)
+        if signer is not None:
+            return client.artifact(digest, signer=signer)
+    return doc
+
+
 def _stage(
     client: RegistryClient,
     digest: str,
@@ -163,7 +186,7 @@ def _stage(
     """Fetch and check one artifact into ``staged.path``; its result names ``staged.target``."""
     url = f"{client.url}/v1/artifacts/{digest}"
     target, tmp = staged.target, staged.path
-    doc = client.artifact(digest)
+    doc = _claim(client, digest, trusted)
     entry_digest = doc.entry.digest
     envelope = client.envelope(entry_digest)
     index, head = verify_entry_evidence(client, url, envelope, doc.entry, doc.inclusion_proof, doc.checkpoint, key)

@@ -200,11 +200,12 @@ class Lineage(Wire):
 
 
 class OtherEntry(Wire):
-    """Another entry that logs the same tensors."""
+    """Another entry that logs the same tensors: a claim by its own signers (no entry owns a digest)."""
 
     log_index: Index
     digest: Digest
     publisher: str
+    keyids: list[str] = Field(default_factory=list, description="the key ids that signed it")
 
 
 class DsseSignature(Wire):

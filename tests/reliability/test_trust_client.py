@@ -645,6 +645,60 @@ def test_a_pinned_key_accepted_a_log_restarted_under_a_new_origin_regression_ori
         assert head.size == 1
 
 
+def test_a_squatter_logged_first_owned_the_tensors_regression_first_claimant_owns(
+    tmp_path: Path, rkeys: dict[str, Key], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Was: whoever first logged a statement about a tensor digest owned it. The API and the pages
+    showed the squatter's text, and 'pull DIGEST --trusted-keys' (the real signer's) took the
+    squatter's entry and refused it. Now pull asks for the entry its trusted keys signed, and the
+    API and the pages name every claim (``?signer=KEYID`` picks one)."""
+    from kvgraft.verifier import TrustedKeys, trusted_key
+
+    alice, mallory = rkeys["alice"], rkeys["bob"]
+    real = artifact("the real text")
+    squat = artifact("a squatter's text")
+    squat = type(squat)(real.tensors, squat.statement.model_copy(update={"subject": real.statement.subject}))
+    trust = tmp_path / "alice-trusted.json"
+    trust.write_text(json.dumps(TrustedKeys((trusted_key("alice", alice.private.public_key()),), 1).to_json()))
+    with running_server(tmp_path / "data") as server:
+        alice_token, _ = make_token(server, "alice", alice)
+        mallory_token, _ = make_token(server, "mallory", mallory)
+        for token, key, art in ((mallory_token, mallory, squat), (alice_token, alice, real)):
+            auth = {"Authorization": f"Bearer {token}"}
+            put = httpx.put(f"{server.url}/v1/blobs/{real.digest}", content=real.tensors, headers=auth, timeout=30)
+            assert put.status_code in (200, 201), put.text
+            r = httpx.post(f"{server.url}/v1/entries", content=key.sign(art.statement), headers=auth, timeout=30)
+            assert r.status_code == 201, r.text
+        alice_id, mallory_id = str(keyid_of(alice.private.public_key())), str(keyid_of(mallory.private.public_key()))
+
+        # The real signer's pull gets the real entry (entry 1), its signature verified.
+        code, out, err = _cli(capsys, "pull", "--registry", server.url, real.digest, "--trusted-keys", trust,
+                              "--out", tmp_path / "pulled")
+        assert code == 0, err
+        assert out["log_index"] == 1 and out["signers"] == ["alice"] and out["signature_checked"] is True
+        pulled = json.loads((tmp_path / "pulled" / "statement.dsse.json").read_text())
+        assert pulled == json.loads(alice.sign(real.statement))
+
+        # The API names every claim with its signers; ?signer= picks the one a key signed.
+        doc = httpx.get(f"{server.url}/v1/artifacts/{real.digest}", timeout=10).json()
+        assert doc["entry"]["log_index"] == 0 and doc["other_entries"] == [
+            {"log_index": 1, "digest": doc["other_entries"][0]["digest"], "publisher": "alice", "keyids": [alice_id]}
+        ]
+        mine = httpx.get(f"{server.url}/v1/artifacts/{real.digest}", params={"signer": alice_id}, timeout=10).json()
+        assert mine["entry"]["log_index"] == 1 and mine["statement"]["predicate"]["source_text"]["text"] == "the real text"
+        assert [o["keyids"] for o in mine["other_entries"]] == [[mallory_id]]
+        missing = httpx.get(f"{server.url}/v1/artifacts/{real.digest}", params={"signer": "ab" * 32}, timeout=10)
+        assert missing.status_code == 404 and "2 entries by other keys claim these tensors" in missing.json()["detail"]
+        bad = httpx.get(f"{server.url}/v1/artifacts/{real.digest}", params={"signer": "alice"}, timeout=10)
+        assert bad.status_code == 400 and "is not a key id" in bad.json()["detail"]
+
+        # The page says the tensors are claimed twice, and shows the claim the query's signer made.
+        page = httpx.get(f"{server.url}/artifacts/{real.digest}", timeout=10).text
+        assert "2 entries by different signers claim these tensors" in page and f"?signer={alice_id}" in page
+        page = httpx.get(f"{server.url}/artifacts/{real.digest}", params={"signer": alice_id}, timeout=10).text
+        assert "the real text" in page and "a squatter&#39;s text" not in page and "a squatter's text" not in page
+
+
 def test_checkpoint_forged_with_the_registry_key_is_refused(
     hostile: _Hostile, tmp_path: Path, home: Path, rkeys: dict[str, Key], capsys: pytest.CaptureFixture[str]
 ) -> None:
