@@ -72,7 +72,7 @@ from .sequencer import Sequencer
 from .service import Page, PreparedPublish, Published, Registry
 from .settings import RegistrySettings
 from .tiles import CHECKPOINT_CACHE, IMMUTABLE, TILES_PREFIX, tile_resource
-from .ui import browser_error_page, static_router, ui_router
+from .ui import static_router, ui_router
 
 logger = logging.getLogger("kvgraft.registry")
 
@@ -151,10 +151,7 @@ def _registry_error(request: Request[Any, Any, Any], exc: RegistryError) -> Resp
     )
 
 
-def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
-    page = browser_error_page(request, exc)  # a browser's path (not /v1, /schema, /tlog) gets an HTML page
-    if page is not None:
-        return page
+def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[dict[str, Any]]:
     status = exc.status_code
     try:
         title = http.HTTPStatus(status).phrase
