@@ -13,6 +13,7 @@ against the one remembered for the log (``CheckpointMemory``).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 from collections.abc import Iterable
@@ -30,6 +31,7 @@ from kvgraft.schemas import (
 from kvgraft.verifier import public_key_pem
 
 from .client import (
+    LocalFilesError,
     RegistryClient,
     RegistryKey,
     RegistryResponseError,
@@ -93,18 +95,26 @@ def fetch_report(client: RegistryClient, key: RegistryKey, refs: Iterable[str], 
     staged = stage(out, tag="tmp", hint="fetch a report into a new directory")
     tmp = staged.path
     made: dict[str, list[str]] = {}
+    ref = ""
     try:
         dirs = []
+        fetched: set[str] = set()
         for ref in refs:
             envelope = client.envelope(ref)
             digest = "sha256:" + hashlib.sha256(envelope).hexdigest()
             if client.entry(digest).entry.digest != digest:
                 raise RegistryResponseError(f"{client.url}: entry {ref} served an envelope whose digest is {digest}")
+            if digest in fetched:
+                continue  # the same entry asked for twice (by index and by digest, or repeated)
+            fetched.add(digest)
             statement = statement_of(envelope, f"entry {ref}")
             if statement.predicate_type not in LAYOUT:
                 continue  # a record type audits do not cover
             folder, file_name = LAYOUT[statement.predicate_type]
-            directory = tmp / folder / digest.removeprefix("sha256:")[:16]
+            hex_digest = digest.removeprefix("sha256:")
+            directory = tmp / folder / hex_digest[:16]
+            if directory.exists():
+                directory = tmp / folder / hex_digest  # two entries whose digests share 16 hex digits
             directory.mkdir(parents=True)
             _write(directory / file_name, envelope)
             for s in statement.subject:
@@ -118,6 +128,13 @@ def fetch_report(client: RegistryClient, key: RegistryKey, refs: Iterable[str], 
         _write(tmp / REGISTRY_KEY_FILE, public_key_pem(key.public_key))
     except OSError as e:
         staged.discard()
+        if e.errno in (errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            # Two files of the report want one path: what the entries name clashed, not the disk.
+            where = Path(e.filename).relative_to(tmp) if e.filename and Path(e.filename).is_relative_to(tmp) else e.filename
+            raise LocalFilesError(
+                f"entry {ref} clashes with what the report already holds: {where} ({e.strerror}); nothing was written to {out}",
+                hint="the entries name files at the same path; fetch them into separate reports (--entry)",
+            ) from e
         raise local_write_error(e, out, out.parent) from e
     except BaseException:
         staged.discard()

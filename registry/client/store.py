@@ -67,6 +67,13 @@ def local_write_error(
             f"no space left on the device of {directory} while writing {path.name}: {need}"
             f"{free if free is not None else 'an unknown number of'} bytes are free; nothing was kept"
         )
+    if e.errno in (errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+        # A clash of names, not a disk that refuses: say which path is taken.
+        at = e.filename or path
+        return LocalFilesError(
+            f"cannot write {path}: {at} clashes with a file or folder already there ({e.strerror})",
+            hint="two files want the same path; remove what is there or choose another directory",
+        )
     return LocalFilesError(f"cannot write {path}: {e.strerror or e}", hint="check that the directory is writable")
 
 

@@ -281,3 +281,38 @@ def test_registry_regression_database_was_created_world_readable(tmp_path: Path,
     done = registry_cli("key", "add", "--data", admin, "--publisher", "alice", "--public-key", rkeys["alice"].pub_path)
     assert done.returncode == 0, done.stderr
     assert private(admin / "registry.duckdb") and stat.S_IMODE(admin.stat().st_mode) == 0o700
+
+
+# --- report clashes blamed the disk -------------------------------------------------------------------
+
+
+def test_report_regression_the_same_entry_twice_blamed_the_disk(tmp_path: Path, rkeys: dict[str, Key]) -> None:
+    # Was: "--entry 0 --entry <its digest>" made the same folder twice and failed with
+    # "cannot write OUT: File exists (hint: check that the directory is writable)".
+    from tests.reliability.servers import make_token, post_entry, put_blob
+
+    art = artifact("reported twice")
+    data = tmp_path / "data"
+    with running_server(data) as server:
+        token, _ = make_token(server, "alice", rkeys["alice"])
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            assert put_blob(client, token, art.tensors).status_code == 201
+            posted = post_entry(client, token, rkeys["alice"].sign(art.statement))
+            assert posted.status_code == 201, posted.text
+        digest = posted.json()["entry"]["digest"]
+        out = tmp_path / "report"
+        done = registry_cli("report", "--registry", server.url, "--registry-key", data / "registry-key.pub.pem",
+                            "--out", out, "--entry", "0", "--entry", digest, "--entry", "0", timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert [p.name for p in (out / "artifacts").iterdir()] == [digest.removeprefix("sha256:")[:16]]
+
+
+def test_local_write_regression_a_name_clash_was_blamed_on_the_disk(tmp_path: Path) -> None:
+    from kvgraft.registry.client import local_write_error
+
+    (tmp_path / "x").write_bytes(b"a file where a folder is wanted")
+    with pytest.raises(OSError) as info:
+        (tmp_path / "x" / "y").mkdir(parents=True)
+    error = local_write_error(info.value, tmp_path / "x" / "y" / "z")
+    assert f"{tmp_path / 'x' / 'y'} clashes with a file or folder already there" in error.message
+    assert "writable" not in str(error) and "two files want the same path" in str(error)
