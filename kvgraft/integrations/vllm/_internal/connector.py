@@ -144,6 +144,12 @@ def make_binding(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_
         raise ConnectorConfigError(f"the KV cache is quantized ({vllm_config.cache_config.cache_dtype})",
                                    hint="serve with --kv-cache-dtype auto")
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    if pc.tensor_parallel_size * pc.pipeline_parallel_size != 1:
+        # Each worker would hold its own shard of a block under one chain key, and the scheduler
+        # hands every worker the same bytes: refuse rather than load one rank's shard into another.
+        raise ConnectorConfigError(f"tensor parallel size {pc.tensor_parallel_size} and pipeline parallel size "
+                                   f"{pc.pipeline_parallel_size}: the connector serves one worker",
+                                   hint="run with --tensor-parallel-size 1 --pipeline-parallel-size 1 (data parallel engines are fine)")
     # Not bound: how prompts are chunked and batched (max_num_batched_tokens, chunked prefill,
     # max_num_seqs) and whether vLLM's own prefix cache is on. vLLM's prefix cache already treats a
     # block as the same whatever step computed it, and the exactness record measures that this holds
@@ -193,7 +199,8 @@ class KvgraftConnector(KVConnectorBase_V1):
     """vLLM KV connector that loads only blocks whose signature, digests and binding verify.
 
     Configured by ``kv_connector_extra_config`` (``ConnectorSettings``): ``store``, ``key``,
-    ``trusted_keys``, and optionally ``model_name``.
+    ``trusted_keys``, and optionally ``model_name``. ``kv_role`` ``kv_both`` loads and saves,
+    ``kv_producer`` only saves, ``kv_consumer`` only loads; without ``key`` nothing is saved.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -247,6 +254,8 @@ class KvgraftConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens past ``num_computed_tokens`` whose blocks are stored and verify (see the module docstring)."""
+        if not self._kv_transfer_config.is_kv_consumer:  # kv_role "kv_producer": save only
+            return 0, False
         prompt = request.prompt_token_ids or []
         usable = min((len(prompt) - 1) // self._block_size, self._settings.max_blocks_per_request)
         start = num_computed_tokens // self._block_size
@@ -292,7 +301,7 @@ class KvgraftConnector(KVConnectorBase_V1):
         """This step's loads, and the blocks completed in this step that the store lacks."""
         meta = KvgraftConnectorMetadata(loads=self._loads)
         self._loads = []
-        if not self._settings.key:
+        if not self._settings.key or not self._kv_transfer_config.is_kv_producer:  # read-only, or kv_role "kv_consumer"
             return meta
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
