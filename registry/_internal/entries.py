@@ -174,13 +174,16 @@ def verify_for_token(
 ) -> tuple[VerifiedEnvelope, Statement]:
     """Verify ``envelope`` against the keys the token is ``bound`` to; return signers and statement.
 
-    ``registered`` maps every registered key id to (key, publisher); it only explains a
-    failure: a signature by a registered key the token is not bound to is a 403, one that
-    claims a registered key but does not verify is an altered envelope (422).
+    ``registered`` maps every registered key id to (key, publisher). A signature by a
+    registered key the token is not bound to is a 403 when nothing else verifies. A signature
+    that claims a registered or bound key (its keyid hint) but does not verify with it is an
+    altered or forged envelope (422), even beside another key's valid signature: a reader who
+    trusts the claimed key's publisher would otherwise see their name on an envelope they never
+    signed.
     """
     if bound:
         try:
-            return verify_statement_envelope(envelope, TrustedKeys(tuple(bound)))
+            verified = verify_statement_envelope(envelope, TrustedKeys(tuple(bound)))
         except UnsupportedPayloadTypeError as e:
             raise InvalidStatementError(e.message, hint="post in-toto statements (application/vnd.in-toto+json)") from e
         except MalformedInputError as e:
@@ -188,7 +191,36 @@ def verify_for_token(
             raise InvalidStatementError(e.message) from e
         except (UnknownKeyError, BadSignatureError, ThresholdNotMetError):
             pass
+        else:
+            _check_claimed_signatures(envelope, bound, registered)
+            return verified
     _explain_signature_failure(envelope, bound, registered)
+
+
+def _check_claimed_signatures(
+    envelope: Envelope, bound: list[TrustedKey], registered: dict[str, tuple[TrustedKey, str]]
+) -> None:
+    """Refuse (422) an envelope with a signature whose keyid hint names a registered or bound key
+    it does not verify with. A lone signature is the one that just verified: nothing to check."""
+    if len(envelope.signatures) < 2:
+        return
+    keys = {str(k.keyid): (k, "a key bound to this token") for k in bound} | {
+        kid: (k, f"the key of publisher {publisher[:80]!r}") for kid, (k, publisher) in registered.items()
+    }
+    for index, signature in enumerate(envelope.signatures):
+        claimed = keys.get(signature.keyid) if signature.keyid else None
+        if claimed is None:
+            continue
+        key, owner = claimed
+        alone = envelope.model_copy(update={"signatures": [signature]})
+        try:
+            verify_envelope(alone, TrustedKeys((key,)), threshold=1)
+        except (UnknownKeyError, BadSignatureError, ThresholdNotMetError, MalformedInputError) as e:
+            raise InvalidSignatureError(
+                f"signature {index} of the envelope claims key {signature.keyid[:16]}... ({owner}), but "
+                "does not verify over its payload with that key: it was altered after signing, or forged",
+                hint="post the envelope as it was signed: drop every signature its key did not make",
+            ) from e
 
 
 def _explain_signature_failure(

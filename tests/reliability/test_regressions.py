@@ -196,3 +196,33 @@ def test_sigstore_certificate_with_unknown_version_raised_invalid_version(tmp_pa
             bundle, vectors / "bundle.txt", CertificateIdentity("a@tny.town", "https://github.com/login/oauth"),
             trusted_root=vectors / "trusted_root.sigstage.dev.json",
         )
+
+
+def test_a_zeroed_signature_claiming_a_registered_key_was_accepted_regression_claimed_keyid(
+    tmp_path: Path, rkeys: dict[str, Key]
+) -> None:
+    """Was 201: an envelope with bob's valid signature and a zeroed one claiming alice's registered
+    keyid was logged, as if alice had co-signed; docs/registry.md says a signature that claims a
+    registered key and does not verify is refused (422). Nothing is logged."""
+    import base64
+    import json
+
+    from kvgraft.verifier import keyid_of
+    from tests.registry.conftest import artifact
+
+    alice, bob = rkeys["alice"], rkeys["bob"]
+    art = artifact("co-signed?")
+    with harness(tmp_path / "data", rkeys) as h:
+        assert h.put_blob(art.tensors, "bob").status_code in (200, 201)
+        envelope = json.loads(bob.sign(art.statement))
+        forged = {"keyid": str(keyid_of(alice.private.public_key())), "sig": base64.b64encode(bytes(64)).decode()}
+        for signatures in ([*envelope["signatures"], forged], [forged, *envelope["signatures"]]):
+            r = h.publish(json.dumps({**envelope, "signatures": signatures}).encode(), "bob")
+            assert r.status_code == 422, r.text
+            detail = r.json()["detail"]
+            assert "claims key" in detail and "of publisher 'alice'" in detail and "does not verify" in detail, detail
+        assert h.client.get("/v1/log/checkpoint").text.splitlines()[1] == "0"
+        # bob's envelope as signed, and one co-signed for real by alice, are logged.
+        cosigned = json.loads(alice.sign(art.statement))
+        both = {**envelope, "signatures": envelope["signatures"] + cosigned["signatures"]}
+        assert h.publish(json.dumps(both).encode(), "bob").status_code == 201
