@@ -214,7 +214,13 @@ def _cmd_token_revoke(args: argparse.Namespace) -> dict[str, Any]:
     with admin_session(args.data, database=args.database, create=False) as (admin, via):
         result = admin.revoke_token(args.token_id)
     when = "now" if result["changed"] else f"already, at {result['revoked_at']}"
-    applies = "from the server's next request on" if via == "server" else "(the server was not running)"
+    if via == "server":
+        applies = "from the server's next request on"
+    elif args.database is not None:
+        # A shared database: servers may be running, and are notified of the change.
+        applies = "in the shared database: every running server refuses it from its next request on"
+    else:
+        applies = "(the server was not running)"
     return {**result, "via": via, "summary": f"token {result['token_id']} of {result['publisher']} revoked {when} {applies}"}
 
 

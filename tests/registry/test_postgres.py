@@ -203,6 +203,9 @@ def test_a_revocation_through_one_process_holds_in_the_other(
     token_id = json.loads(listed.stdout)["tokens"][0]["token_id"]
     done = registry_cli("--json", "token", "revoke", "--data", sequencer.data, "--database", url, token_id)
     assert done.returncode == 0, done.stderr
+    # Was: "(the server was not running)", with two servers running (issue 37).
+    summary = json.loads(done.stdout)["summary"]
+    assert "every running server refuses it from its next request on" in summary and "not running" not in summary
     # The very next publish is refused by the sequencer (it syncs accounts before each batch).
     r = httpx.post(f"{sequencer.url}/v1/entries", content=alice.sign(artifact("after").statement),
                    headers={"Authorization": f"Bearer {token}"}, timeout=30)
@@ -600,3 +603,41 @@ def test_a_follower_signed_a_fork_after_the_database_was_restored_regression_pos
         assert _head_file_size(data) == 5
     with psycopg.connect(url) as conn:
         assert conn.execute("SELECT max(tree_size) FROM checkpoints").fetchone() == (2,)
+
+
+def test_servers_running_while_the_database_is_restored_keep_serving_and_sign_nothing_regression_refused_server(
+    postgres: PostgresServer, tmp_path: Path, keys: dict[str, Key]
+) -> None:
+    """docs/registry.md says a process that finds the database behind what it serves keeps serving
+    reads and refuses the lease; the attack saw a refused server exit. Restored from an older copy
+    under two running servers: both stay up, serve the head they verified, refuse publishes, and
+    no checkpoint is signed past the copy's (a fork)."""
+    url = postgres.database()
+    name = url.rsplit("/", 1)[1]
+    data = tmp_path / "data"
+    alice = keys["alice"]
+    with _servers(data, url, 2):
+        token = _token(data, url, "alice", alice)
+    with _servers(data, url, 1) as (server,):
+        for i in range(2):
+            assert _publish(server, token, artifact(f"in the copy {i}"), alice).status_code == 201
+    with psycopg.connect(postgres.url(), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}_copy" TEMPLATE "{name}"')
+    with _servers(data, url, 2) as servers:
+        for i in range(2):
+            assert _publish(servers[0], token, artifact(f"after the copy {i}"), alice).status_code == 201
+        with psycopg.connect(postgres.url(), autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+            conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{name}_copy"')
+        deadline = time.monotonic() + 5  # ten lease rounds each: every one of them refuses
+        while time.monotonic() < deadline:
+            for server in servers:
+                assert server.proc.poll() is None, "a refused server exited"
+                r = _publish(server, token, artifact(f"after the restore {time.monotonic_ns()}"), alice)
+                assert r.status_code == 503, r.text
+                assert httpx.get(server.url + "/v1/log/key", timeout=10).json()["tree_size"] == 4
+            time.sleep(0.2)
+        with psycopg.connect(url) as conn:
+            assert conn.execute("SELECT max(tree_size) FROM checkpoints").fetchone() == (2,)
+    logs = "".join((data.parent / f"server-{i}.log").read_text() for i in range(2))
+    assert "got the sequencer lease but gives it back" in logs and "the database was rolled back" in logs
