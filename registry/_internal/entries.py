@@ -237,9 +237,14 @@ def _explain_signature_failure(
             named = ", ".join(f"{k.keyid[:16]}... of publisher {registered[k.keyid][1]!r}" for k in verified.signers)
             raise KeyNotBoundError(f"the envelope is signed by {named}, and this token is not bound to that key")
     hints = {s.keyid for s in envelope.signatures if s.keyid}
-    if hints & (bound_ids | set(registered)):
+    claimed = sorted(hints & (bound_ids | set(registered)))
+    if claimed:
+        owners = ", ".join(
+            f"{kid[:16]}... of publisher {registered[kid][1][:80]!r}" if kid in registered else f"{kid[:16]}... (bound to this token)"
+            for kid in claimed
+        )
         raise InvalidSignatureError(
-            "the envelope's signature by a registered key does not verify over its payload: it was altered after signing"
+            f"the envelope's signature claiming key {owners} does not verify over its payload: it was altered after signing"
         )
     if hints:
         shown = ", ".join(sorted(h[:16] + "..." for h in hints))
@@ -249,7 +254,7 @@ def _explain_signature_failure(
         )
     raise InvalidSignatureError(
         f"none of the envelope's {len(envelope.signatures)} signature(s) verifies with the "
-        f"{len(bound)} key(s) this token is bound to",
+        f"{len(bound)} key(s) this token is bound to ({', '.join(k.keyid[:16] + '...' for k in bound) or 'none'})",
         hint="sign with a key the token is bound to; if you did, the envelope was altered after signing",
     )
 

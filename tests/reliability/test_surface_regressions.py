@@ -316,3 +316,58 @@ def test_local_write_regression_a_name_clash_was_blamed_on_the_disk(tmp_path: Pa
     error = local_write_error(info.value, tmp_path / "x" / "y" / "z")
     assert f"{tmp_path / 'x' / 'y'} clashes with a file or folder already there" in error.message
     assert "writable" not in str(error) and "two files want the same path" in str(error)
+
+
+# --- signature refusals name the signer; the trusted-keys hint ------------------------------------------
+
+
+def test_signature_regression_refusals_did_not_name_the_signer(rkeys: dict[str, Key]) -> None:
+    # Was: "none of the envelope's 1 signature(s) verifies with any of the 1 trusted key(s)": no
+    # name, no keyid, so a user could not tell whose key was missing from their file.
+    from kvgraft.verifier import (
+        BadSignatureError,
+        TrustedKeys,
+        UnknownKeyError,
+        keyid_of,
+        parse_envelope,
+        trusted_key,
+        verify_envelope,
+    )
+
+    alice = trusted_key("alice", rkeys["alice"].private.public_key())
+    eve_id = keyid_of(rkeys["eve"].private.public_key())
+    by_eve = parse_envelope(rkeys["eve"].sign(artifact("signed by eve").statement), source="test")
+    with pytest.raises(UnknownKeyError) as info:
+        verify_envelope(by_eve, TrustedKeys((alice,)))
+    assert f"trusted key(s) (alice keyid {alice.keyid[:16]}...)" in info.value.message
+    assert f"its signatures claim keyid(s) {eve_id[:16]}..." in info.value.message
+    # A signature that claims alice's key but does not verify with it names alice.
+    doc = json.loads(rkeys["alice"].sign(artifact("altered").statement))
+    doc["payload"] = doc["payload"][:-4] + ("AAAA" if doc["payload"][-4:] != "AAAA" else "BBBB")
+    altered = parse_envelope(json.dumps(doc).encode(), source="test")
+    with pytest.raises(BadSignatureError, match=rf"the signature by trusted key alice keyid {alice.keyid[:16]}\.\.\. does not verify"):
+        verify_envelope(altered, TrustedKeys((alice,)))
+
+
+def test_trusted_keys_regression_missing_file_hint_spoke_of_a_private_key(tmp_path: Path, rkeys: dict[str, Key]) -> None:
+    # Was: "(hint: pass a PEM key written by 'kvgraft keys generate' ... and its passphrase)".
+    from kvgraft.verifier import KeyFileError, load_trusted_keys
+
+    with pytest.raises(KeyFileError) as info:
+        load_trusted_keys(tmp_path / "trusted-keys.json")
+    assert info.value.message == f"trusted-keys file {tmp_path / 'trusted-keys.json'} does not exist"
+    assert "passphrase" not in str(info.value) and "private" not in str(info.value)
+    assert "kvgraft keys trust --file FILE --name NAME --public-key KEY.pub" in (info.value.hint or "")
+
+
+def test_publish_regression_signature_refusal_did_not_name_the_signer(tmp_path: Path, rkeys: dict[str, Key]) -> None:
+    # Was: "the envelope's signature by a registered key does not verify over its payload": which key, whose?
+    from kvgraft.verifier import keyid_of
+    from tests.registry.conftest import tampered
+
+    alice_id = keyid_of(rkeys["alice"].private.public_key())
+    with harness(tmp_path / "data", rkeys) as reg:
+        r = reg.publish(tampered(rkeys["alice"].sign(artifact("altered after signing").statement)))
+        assert r.status_code == 422, r.text
+        assert r.json()["type"].endswith("/invalid-signature")
+        assert f"signature claiming key {alice_id[:16]}... of publisher 'alice' does not verify" in r.json()["detail"]

@@ -9,6 +9,7 @@ The payload is verified as the bytes received and parsed only after the signatur
 from __future__ import annotations
 
 import base64
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,18 +162,35 @@ def verify_envelope(envelope: Envelope, trusted: TrustedKeys, *, threshold: int 
     if len(recognized) >= need:
         return VerifiedEnvelope(envelope.payload_type, payload, tuple(recognized.values()))
     if hinted_but_bad and not recognized:
+        named = next(k for k in trusted.keys if k.keyid == hinted_but_bad[0])
         raise BadSignatureError(
-            f"the signature by trusted key {hinted_but_bad[0][:16]}... does not verify over this payload"
+            f"the signature by trusted key {_named([named])} does not verify over this payload"
         )
     if not recognized:
         raise UnknownKeyError(
             f"none of the envelope's {len(envelope.signatures)} signature(s) verifies with any of the "
-            f"{len(trusted.keys)} trusted key(s)"
+            f"{len(trusted.keys)} trusted key(s) ({_named(trusted.keys)}); {_claimed(envelope)}"
         )
     raise ThresholdNotMetError(
         f"{len(recognized)} distinct trusted key(s) signed ({', '.join(k.name for k in recognized.values())}); "
         f"{need} are required"
     )
+
+
+def _named(keys: Iterable[TrustedKey], most: int = 4) -> str:
+    # Keys as a reader knows them: the trusted-keys file's name, and the keyid to tell them apart.
+    keys = list(keys)
+    shown = ", ".join(f"{k.name} keyid {k.keyid[:16]}..." for k in keys[:most])
+    return shown + (f" and {len(keys) - most} more" if len(keys) > most else "")
+
+
+def _claimed(envelope: Envelope, most: int = 4) -> str:
+    """Which keys the envelope's signatures say they are by (their keyid hints; unverified)."""
+    hints = list(dict.fromkeys(s.keyid for s in envelope.signatures if s.keyid))
+    if not hints:
+        return "its signatures name no keyid"
+    shown = ", ".join(f"{h[:16]}..." for h in hints[:most]) + (f" and {len(hints) - most} more" if len(hints) > most else "")
+    return f"its signatures claim keyid(s) {shown}"
 
 
 def verify_statement_envelope(envelope: Envelope, trusted: TrustedKeys) -> tuple[VerifiedEnvelope, Statement]:

@@ -389,6 +389,18 @@ def parse_trusted_keys(data: bytes, *, source: str = "trusted-keys file") -> Tru
     return TrustedKeys(tuple(keys), doc.threshold, dict(doc.thresholds), tuple(doc.payload_types))
 
 
+#: How to get a trusted-keys file: it lists public keys, and needs no private key or passphrase.
+TRUSTED_KEYS_HINT = (
+    "a trusted-keys file lists the public keys you trust: get it from the publishers, or write one from "
+    "their public keys with 'kvgraft keys trust --file FILE --name NAME --public-key KEY.pub' (docs/trusted-keys.md)"
+)
+
+
 def load_trusted_keys(path: Path) -> TrustedKeys:
-    """Read a trusted-keys file."""
-    return parse_trusted_keys(read_limited(path, _MAX_TRUST_FILE, "trusted-keys file"), source=f"trusted-keys file {path}")
+    """Read a trusted-keys file; ``KeyFileError`` (hinting how to get one) when it cannot be read."""
+    try:
+        data = read_limited(path, _MAX_TRUST_FILE, "trusted-keys file")
+    except KeyFileError as e:
+        # KeyFileError's own hint is about private keys and passphrases: not what is missing here.
+        raise KeyFileError(e.message, hint=TRUSTED_KEYS_HINT) from e
+    return parse_trusted_keys(data, source=f"trusted-keys file {path}")
