@@ -203,7 +203,9 @@ def _cmd_report(args: argparse.Namespace) -> dict[str, Any]:
     counts = {k: len(v) for k, v in made.items()}
     return {"report": str(args.out), "entries": counts,
             "summary": f"{args.out}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) +
-            f" from {args.registry}, with log proofs; check it with: kvgraft-verify audit {args.out}"}
+            f" from {args.registry}, with log proofs; check it with: kvgraft-verify audit {args.out} "
+            f"--trusted-keys {args.trusted_keys or 'PUBLISHERS_KEYS.json'} --registry-key {args.registry_key or 'REGISTRY_KEY.pem'} "
+            "(keys from outside the folder: the copies inside it are not trusted)"}
 
 
 # --- wiring --------------------------------------------------------------------------------------
