@@ -204,7 +204,7 @@ class KvgraftConnector(KVConnectorBase_V1):
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if kv_cache_config is None:
             raise ConnectorConfigError("vLLM gave the connector no KV cache configuration", hint="use vLLM 0.32 or later")
         self._settings = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
