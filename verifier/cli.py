@@ -159,7 +159,8 @@ def _cmd_oms(args: argparse.Namespace) -> dict[str, Any]:
         trusted = TrustedKeys((trusted_key(str(args.public_key), load_public_key(args.public_key)),))
     else:
         trusted = load_trusted_keys(args.trusted_keys)
-    verified = verify_model_signature(args.directory, trusted, signature=args.signature)
+    verified = verify_model_signature(args.directory, trusted, signature=args.signature,
+                                      ignore_git_paths=not args.no_ignore_git_paths)
     return {
         "verified": "model_signing",
         **_model_sig_result(verified),
@@ -372,6 +373,10 @@ def build_parser() -> ToolParser:
     )
     om.add_argument("directory", type=Path, metavar="DIR", help="the signed directory")
     om.add_argument("--signature", type=Path, help=f"the model_signing bundle (default: DIR/{MODEL_SIG_FILE})")
+    om.add_argument("--no-ignore-git-paths", action="store_true",
+                    help="check the top-level .git, .gitattributes, .github and .gitignore too, for a signature made "
+                    "with model_signing's --no-ignore-git-paths or kvgraft oms sign's (ignored by default, as "
+                    "model_signing does; paths the signature itself lists as ignored stay ignored)")
     om_keys = om.add_mutually_exclusive_group(required=True)
     om_keys.add_argument("--public-key", type=Path, help="the signer's ECDSA P-256 or P-384 public key (PEM)")
     om_keys.add_argument("--trusted-keys", type=Path, help="trusted-keys JSON file (its ECDSA keys are tried by hint)")

@@ -28,7 +28,7 @@ def _cmd_oms_sign(args: argparse.Namespace) -> dict[str, Any]:
     if (target.exists() or target.is_symlink()) and not args.force:
         raise CliError(f"{target} already exists", hint="pass --force to replace it with a new signature")
     with open_signing_key(args.key, passphrase(args.passphrase_env)) as signer:
-        signed = sign_model_directory(directory, signer)
+        signed = sign_model_directory(directory, signer, ignore_git_paths=not args.no_ignore_git_paths)
         keyid = signer.keyid
     # Renamed into place: a reader sees the old signature or the new one, never a part (an
     # existing link is replaced, not written through).
@@ -36,6 +36,7 @@ def _cmd_oms_sign(args: argparse.Namespace) -> dict[str, Any]:
         write_atomic(target, signed.bundle, 0o644)
     except OSError as e:
         raise CliError(f"cannot write {target}: {e.strerror or e}", hint="sign a directory you can write to") from e
+    git = " --no-ignore-git-paths" if args.no_ignore_git_paths else ""
     return {
         "signature": str(target),
         "directory": str(directory),
@@ -44,8 +45,8 @@ def _cmd_oms_sign(args: argparse.Namespace) -> dict[str, Any]:
         "key_type": signed.key_type,
         "keyid": keyid,
         "summary": f"wrote {target}: {len(signed.files)} file(s) signed with {key_type_label(signed.key_type)} key {keyid[:16]}; "
-        f"check it with 'model_signing verify key {directory} --signature {target} --public_key KEY.pub' "
-        f"or 'kvgraft-verify oms {directory} --public-key KEY.pub'",
+        f"check it with 'model_signing verify key {directory}{git} --signature {target} --public_key KEY.pub' "
+        f"or 'kvgraft-verify oms {directory}{git} --public-key KEY.pub'",
     }
 
 
@@ -59,3 +60,6 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                       help="ECDSA P-256 or P-384 private key (PEM; 'kvgraft keys generate --type p256')")
     sign.add_argument("--passphrase-env", metavar="VAR", help="the key's passphrase is in this environment variable")
     sign.add_argument("--force", action="store_true", help=f"replace an existing {MODEL_SIG_FILE}")
+    sign.add_argument("--no-ignore-git-paths", action="store_true",
+                      help="sign the top-level .git, .gitattributes, .github and .gitignore too (model_signing's "
+                      "option; ignored by default, as model_signing does); verify with the same option")

@@ -158,7 +158,7 @@ class WitnessPolicyError(MalformedInputError):
 
 class ModelSignatureFormatError(MalformedInputError):
     """A ``model.sig`` is not a key-signed OpenSSF model signing v1.0 signature: not a Sigstore
-    bundle v0.3 with a public-key hint and one DSSE signature, or its signed statement is not a
+    bundle v0.3 with a public-key hint (or 1.0.x's key) and one DSSE signature, or its signed statement is not a
     ``https://model_signing/signature/v1.0`` manifest of files hashed with sha256."""
 
     default_hint = (

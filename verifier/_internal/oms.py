@@ -1,4 +1,4 @@
-"""OpenSSF model signing (``model_signing`` 1.x, PyPI ``model-signing``): ``model.sig`` for a directory.
+"""OpenSSF model signing (``model_signing`` 1.0 and 1.1, PyPI ``model-signing``): ``model.sig`` for a directory.
 
 A ``model.sig`` signs every file of a directory, as ``model_signing sign key`` writes it and
 ``model_signing verify key DIR --signature DIR/model.sig --public_key KEY.pub`` checks it:
@@ -7,7 +7,9 @@ A ``model.sig`` signs every file of a directory, as ``model_signing sign key`` w
   path, with the sha256 of its bytes, sorted by path *components* (``a/b`` before ``a.txt``,
   as Python orders ``PurePosixPath``). Ignored, as model_signing ignores them by default: the
   signature file itself and, at the top level only, ``.git``, ``.gitattributes``, ``.github``
-  and ``.gitignore`` (a folder ignored with everything under it). Hidden files count. A symbolic
+  and ``.gitignore`` (a folder ignored with everything under it); ``ignore_git_paths=False``
+  (``--no-ignore-git-paths``, as model_signing's option) signs and checks those too. Hidden
+  files count. A symbolic
   link or a special file anywhere refuses the directory (model_signing's ``allow_symlinks``
   off); empty folders are not in the manifest.
 - **the statement**: an in-toto Statement v1 (payload type ``application/vnd.in-toto+json``),
@@ -23,6 +25,14 @@ A ``model.sig`` signs every file of a directory, as ``model_signing sign key`` w
 - **the file**: a Sigstore bundle v0.3 (``application/vnd.dev.sigstore.bundle.v0.3+json``) whose
   ``verificationMaterial`` is ``{"publicKey": {"hint": <sha256 hex of the public key's PEM
   SubjectPublicKeyInfo>}, "tlogEntries": []}`` and whose ``dsseEnvelope`` is the envelope.
+  model_signing 1.1 and later write that, and so does kvgraft. model_signing 1.0.x wrote the key
+  itself instead, ``{"publicKey": {"rawBytes": <base64 of its PEM SubjectPublicKeyInfo>,
+  "keyDetails": "PKIX_ECDSA_P256_SHA_256" | "PKIX_ECDSA_P384_SHA_384"}}``, a ``null`` DSSE
+  ``keyid``, no ``tlogEntries`` and no ``ignore_paths``; model_signing 1.1 verifies those, and
+  so does kvgraft: the key in ``rawBytes`` only picks the trusted key its hint would name (it
+  is not signed, so it is never trusted itself). model_signing 1.0.x ignores the git paths only
+  relative to the current folder: a directory it signed from outside has its git files signed,
+  which ``--no-ignore-git-paths`` checks (model_signing 1.1 asks for the same option).
 
 Verifying (``verify_model_signature``) is offline: the bundle is parsed strictly (bounded size,
 no unknown fields, exactly one signature, no transparency-log entries, no certificate), the hint
@@ -35,7 +45,8 @@ beyond ``model.sig`` and the git paths is named in ``describe()``. Every folder 
 opened beneath its folder's descriptor without following links, so a folder swapped for a link
 mid-walk is refused; ``model.sig`` itself must be a regular file, read to a bound. Differences
 from model_signing, each stricter or bounded: only the ``files`` method with sha256 (not
-``shards``, blake2 or blake3), no pre-1.0 signatures (no hint; the v0.2 predicate), at least one
+``shards``, blake2 or blake3), no pre-1.0 signatures (neither hint nor key; the v0.2 predicate;
+the escaped-PAE signatures model_signing 1.1 still accepts), no P-521 keys, at least one
 signed file, no resource named twice (model_signing keeps the last), at most ``MAX_ENTRIES``
 files and folders and ``MAX_DEPTH`` levels. One difference is laxer: ignored folders are not
 walked (model_signing walks ``.git`` too, and refuses a link inside it).
@@ -49,6 +60,7 @@ hold.
 from __future__ import annotations
 
 import base64
+import binascii
 import contextlib
 import errno
 import hashlib
@@ -83,6 +95,7 @@ from kvgraft.schemas import (
 from .dsse import pae, verify_envelope
 from .errors import (
     BadSignatureError,
+    KeyFileError,
     ModelDirectoryError,
     ModelManifestMismatchError,
     ModelSignatureFormatError,
@@ -99,6 +112,7 @@ from .keys import (
     TrustedKeys,
     key_type_label,
     key_type_of,
+    parse_public_key,
     public_key_pem,
 )
 
@@ -120,6 +134,10 @@ MAX_DEPTH: Final = 32
 MAX_SIGNATURE_BYTES: Final = 16 * 1024 * 1024
 #: At most this many ``ignore_paths`` in a signature.
 MAX_IGNORE_PATHS: Final = 256
+#: At most this many bytes of PEM in a model_signing 1.0.x ``publicKey.rawBytes`` (a P-384 key's is 215).
+MAX_RAW_KEY_BYTES: Final = 4096
+#: model_signing 1.0.x's ``publicKey.keyDetails`` for the key types checked here (it also signs with P-521).
+KEY_DETAILS: Final[dict[str, KeyType]] = {"PKIX_ECDSA_P256_SHA_256": "p256", "PKIX_ECDSA_P384_SHA_384": "p384"}
 
 
 # --- the documents --------------------------------------------------------------------------
@@ -210,9 +228,44 @@ class ModelSigningStatement(Contract):
 
 
 class PublicKeyHint(Contract):
-    """Which key signed: the sha256 (hex) of its SubjectPublicKeyInfo PEM text."""
+    """Which key signed. model_signing 1.1 and later (and kvgraft): ``hint``, the sha256 (hex) of
+    its SubjectPublicKeyInfo PEM text. model_signing 1.0.x: ``rawBytes``, base64 of that PEM text,
+    and ``keyDetails``, its algorithm. Exactly one of ``hint`` and ``rawBytes``; either only names
+    the key (``key_hint``): the bundle's verification material is not signed."""
 
-    hint: HexDigestField
+    hint: HexDigestField | None = None
+    raw_bytes: str | None = Field(default=None, alias="rawBytes", max_length=(MAX_RAW_KEY_BYTES + 2) // 3 * 4)
+    key_details: str | None = Field(default=None, alias="keyDetails", max_length=64)
+
+    @model_validator(mode="after")
+    def _one_way(self) -> PublicKeyHint:
+        if self.hint is not None and (self.raw_bytes is not None or self.key_details is not None):
+            raise ValueError("holds both a hint (model_signing 1.1) and rawBytes or keyDetails (1.0.x); a model.sig holds one")
+        if self.hint is None:
+            if self.raw_bytes is None:
+                raise ValueError("has neither a hint (model_signing 1.1 and later) nor rawBytes (1.0.x): a pre-1.0 "
+                                 "model_signing signature; re-sign it with model_signing 1.0 or later")
+            self._raw_key()
+        return self
+
+    def _raw_key(self) -> PublicKey:
+        # 1.0.x's key: its keyDetails must name a key type checked here, and the key must be one of it.
+        if self.key_details not in KEY_DETAILS:
+            raise ValueError(f"keyDetails {str(self.key_details)[:64]!r} is not a key type checked here, only "
+                             f"{' or '.join(KEY_DETAILS)} (ECDSA P-256, P-384)")
+        try:
+            key = parse_public_key(base64.b64decode(self.raw_bytes or "", validate=True), source="it")
+        except binascii.Error as e:
+            raise ValueError(f"rawBytes is not base64 of a PEM public key ({e})") from e
+        except KeyFileError as e:  # not a PEM key, or of a type kvgraft does not check
+            raise ValueError(f"rawBytes is not base64 of a PEM public key of a type checked here ({e.message})") from e
+        if key_type_of(key) != KEY_DETAILS[self.key_details]:
+            raise ValueError(f"rawBytes holds an {key_type_label(key_type_of(key))} key, but keyDetails says {self.key_details}")
+        return key
+
+    def names(self) -> Sha256Hex:
+        """The ``hint`` of the key that signed: given (1.1), or computed from ``rawBytes`` (1.0.x)."""
+        return self.hint if self.hint is not None else key_hint(self._raw_key())
 
 
 class ModelVerificationMaterial(Contract):
@@ -230,8 +283,6 @@ class ModelVerificationMaterial(Contract):
                 f"holds {kinds[:80]} but no publicKey: only key-signed model.sig files (model_signing sign key) "
                 "are checked here, not certificate or Sigstore ones"
             )
-        if isinstance(data, dict) and isinstance(data.get("publicKey"), dict) and "hint" not in data["publicKey"]:
-            raise ValueError("publicKey has no hint: a pre-1.0 model_signing signature; re-sign it with model_signing 1.x")
         return data
 
     @field_validator("tlog_entries")
@@ -250,6 +301,18 @@ class ModelSigningBundle(Contract):
     )
     verification_material: ModelVerificationMaterial = Field(alias="verificationMaterial")
     dsse_envelope: Envelope = Field(alias="dsseEnvelope")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_keyid(cls, data: Any) -> Any:
+        # model_signing 1.0.x writes the DSSE keyid as null, 1.1 as "": both mean none.
+        envelope = data.get("dsseEnvelope") if isinstance(data, dict) else None
+        signatures = envelope.get("signatures") if isinstance(envelope, dict) else None
+        if isinstance(signatures, list) and any(isinstance(sig, dict) and sig.get("keyid", "") is None for sig in signatures):
+            fixed = [{k: v for k, v in sig.items() if not (k == "keyid" and v is None)} if isinstance(sig, dict) else sig
+                     for sig in signatures]
+            data = {**data, "dsseEnvelope": {**envelope, "signatures": fixed}}
+        return data
 
     @field_validator("dsse_envelope")
     @classmethod
@@ -496,9 +559,12 @@ def _require_model_signing_key(key_type: KeyType) -> None:
         )
 
 
-def sign_model_directory(directory: Path, signer: SigningKey, *, max_entries: int = MAX_ENTRIES) -> SignedModel:
-    """Hash every file of ``directory`` (but ``model.sig`` and the git paths) and sign the
-    model_signing v1.0 statement with ``signer`` (P-256 or P-384) into ``model.sig`` bytes.
+def sign_model_directory(
+    directory: Path, signer: SigningKey, *, ignore_git_paths: bool = True, max_entries: int = MAX_ENTRIES
+) -> SignedModel:
+    """Hash every file of ``directory`` (but ``model.sig`` and, unless ``ignore_git_paths`` is
+    false, the git paths) and sign the model_signing v1.0 statement with ``signer`` (P-256 or
+    P-384) into ``model.sig`` bytes.
 
     Writes nothing: the caller writes ``SignedModel.bundle`` to ``directory / MODEL_SIG_FILE``.
     Raises ``UnsupportedKeyTypeError`` for an Ed25519 key and ``ModelDirectoryError`` for a
@@ -506,7 +572,7 @@ def sign_model_directory(directory: Path, signer: SigningKey, *, max_entries: in
     """
     _require_model_signing_key(signer.key_type)
     _check_directory(directory)
-    ignore_paths = [MODEL_SIG_FILE, *GIT_PATHS]
+    ignore_paths = [MODEL_SIG_FILE, *(GIT_PATHS if ignore_git_paths else ())]
     files = _walk(directory, _ignore_set(ignore_paths), max_entries)
     if not files:
         raise ModelDirectoryError(f"{directory} holds no files to sign", hint="sign a directory that holds the files")
@@ -532,7 +598,8 @@ def sign_model_directory(directory: Path, signer: SigningKey, *, max_entries: in
             signatures=[Signature(sig=base64.b64encode(sig).decode("ascii"), keyid="")],
         ),
     )
-    return SignedModel(bundle.model_dump_json(by_alias=True).encode("utf-8"), statement, signer.key_type)
+    # exclude_none: the unused 1.0.x key fields (rawBytes, keyDetails) are left out, not null.
+    return SignedModel(bundle.model_dump_json(by_alias=True, exclude_none=True).encode("utf-8"), statement, signer.key_type)
 
 
 # --- verifying ----------------------------------------------------------------------------------
@@ -619,7 +686,7 @@ def _signing_key(bundle: ModelSigningBundle, trusted: TrustedKeys, source: str) 
             f"a model.sig holds one signature, but the trusted keys require {need} for {MODEL_SIGNING_PREDICATE}",
             hint=f'set "thresholds": {{"{MODEL_SIGNING_PREDICATE}": 1}} in the trusted-keys file, or pass --public-key',
         )
-    hint = bundle.verification_material.public_key.hint
+    hint = bundle.verification_material.public_key.names()
     ecdsa = [k for k in trusted.keys if key_type_of(k.public_key) in MODEL_SIGNING_KEY_TYPES]
     for key in ecdsa:
         if key_hint(key.public_key) == hint:
@@ -670,10 +737,11 @@ def _read_bundle(directory: Path, sig_path: Path) -> ModelSigningBundle:
 
 
 def _check_files(
-    directory: Path, sig_path: Path, key: TrustedKey, statement: ModelSigningStatement, max_entries: int
+    directory: Path, sig_path: Path, key: TrustedKey, statement: ModelSigningStatement, max_entries: int,
+    ignore_git_paths: bool = True,
 ) -> VerifiedModelSignature:
     source = str(sig_path)
-    ignore = [*GIT_PATHS, *statement.predicate.serialization.ignore_paths]
+    ignore = [*(GIT_PATHS if ignore_git_paths else ()), *statement.predicate.serialization.ignore_paths]
     inside = _signature_inside(directory, sig_path)
     if inside is not None:
         ignore.append(inside)  # the signature file is never part of what it signs (model_signing ignores it too)
@@ -681,7 +749,11 @@ def _check_files(
     signed = {r.name: r.digest for r in statement.predicate.resources}
     missing = sorted(set(signed) - set(on_disk), key=_sort_key)
     if missing:
-        raise ModelManifestMismatchError(f"{directory} lacks {_first(missing, 'signed file(s)')}, signed by {source}")
+        git = _ignore_set(GIT_PATHS)
+        hint = ("the signer signed the git paths too (model_signing --no-ignore-git-paths, or model_signing 1.0.x run from "
+                "outside the directory): check them with --no-ignore-git-paths"
+                if ignore_git_paths and any(_ignored(tuple(m.split("/")), git) for m in missing) else None)
+        raise ModelManifestMismatchError(f"{directory} lacks {_first(missing, 'signed file(s)')}, signed by {source}", hint=hint)
     extra = sorted(set(on_disk) - set(signed), key=_sort_key)
     if extra:
         raise ModelManifestMismatchError(
@@ -696,13 +768,15 @@ def _check_files(
 
 
 def verify_model_signature(
-    directory: Path, trusted: TrustedKeys, *, signature: Path | None = None, max_entries: int = MAX_ENTRIES
+    directory: Path, trusted: TrustedKeys, *, signature: Path | None = None, ignore_git_paths: bool = True,
+    max_entries: int = MAX_ENTRIES,
 ) -> VerifiedModelSignature:
     """Verify ``signature`` (default ``directory / model.sig``) against ``trusted`` and check
-    that ``directory`` holds exactly the files it signs, with their digests.
+    that ``directory`` holds exactly the files it signs, with their digests: all but the paths
+    the signature ignores and, unless ``ignore_git_paths`` is false, the git paths.
 
     Raises ``ModelSignatureFormatError`` (not a key-signed v1.0 model.sig), ``UnknownKeyError``
-    (its hint names no trusted ECDSA key), ``BadSignatureError``, ``ModelDirectoryError`` (a
+    (its hint, or 1.0.x's key, names no trusted ECDSA key), ``BadSignatureError``, ``ModelDirectoryError`` (a
     link, a special file, over the limits) or ``ModelManifestMismatchError`` naming the first
     missing, extra or changed file.
     """
@@ -710,7 +784,8 @@ def verify_model_signature(
     sig_path = directory / MODEL_SIG_FILE if signature is None else signature
     bundle = _read_bundle(directory, sig_path)
     key = _signing_key(bundle, trusted, str(sig_path))
-    return _check_files(directory, sig_path, key, _signed_statement(bundle, key, str(sig_path)), max_entries)
+    return _check_files(directory, sig_path, key, _signed_statement(bundle, key, str(sig_path)), max_entries,
+                        ignore_git_paths)
 
 
 def check_model_signature_beside(
