@@ -154,6 +154,8 @@ from ._internal.wire import (
     ArtifactSummary,
     BlobStored,
     ConsistencyProof,
+    DigestMatch,
+    DigestMatches,
     DsseEnvelope,
     DsseSignature,
     EntryDocument,
@@ -183,7 +185,7 @@ __all__ = [
     "DIGEST_PATTERN", "MAX_TREE_SIZE", "ArtifactBlock", "ArtifactDocument", "ArtifactPage", "ArtifactSummary",
     "BlobStored", "ConsistencyProof", "DsseEnvelope", "DsseSignature", "EntryDocument", "EntryMeta", "EntryPage",
     "InclusionProof", "Lineage", "ListedItem", "Listing", "LogKey", "MissingParent", "ModelBlock", "OtherEntry",
-    "PostedEnvelope", "PostedSignature", "Problem", "Publisher", "PublisherKey", "PublisherList", "SubjectRef",
+    "PostedEnvelope", "PostedSignature", "Problem", "Publisher", "PublisherKey", "PublisherList", "DigestMatch", "DigestMatches", "SubjectRef",
     "Wire", "dump_wire",
     # the engine server's wire format (schemas/_internal/engine_wire.py)
     "MAX_CONTENT_PARTS", "MAX_MESSAGES", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_TEXT_CHARS", "MAX_TOKENS_LIMIT",

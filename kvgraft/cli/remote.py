@@ -130,7 +130,8 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
 
     trusted = load_trusted_keys(args.trusted_keys) if args.trusted_keys is not None else None
     with _client(args, args.registry, token(args.token, required=False)) as c:
-        r = pull(c, args.digest, args.out, trusted_keys=trusted, registry_key_file=args.registry_key,
+        # A short digest (a unique start of one, as git takes) is resolved by the registry first.
+        r = pull(c, c.resolve_digest(args.digest), args.out, trusted_keys=trusted, registry_key_file=args.registry_key,
                  with_parents=args.with_parents, progress=not args.json)
     lines = [_pull_line(r)] + [f"  parent: {_pull_line(p)}" for p in r.parents]
     lines.append(
@@ -254,7 +255,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     pl.add_argument("--trusted-keys", type=Path, metavar="FILE", help="check the envelope's signature against these keys")
     pl.add_argument("--with-parents", action="store_true",
                     help="pull the parent chain too, into DIR.parent-1, DIR.parent-2, ...")
-    pl.add_argument("digest", metavar="sha256:HEX", help="the artifact's kv.safetensors digest")
+    pl.add_argument("digest", metavar="sha256:HEX",
+                    help="the artifact's kv.safetensors digest, or a unique start of it (at least 4 hex digits), as git takes")
     _add_limit_options(pl)
 
     mi = _add_client_command(sub, "mirror", _cmd_mirror,

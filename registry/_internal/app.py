@@ -42,6 +42,7 @@ from kvgraft.schemas import (
     ArtifactPage,
     BlobStored,
     ConsistencyProof,
+    DigestMatches,
     EntryDocument,
     EntryPage,
     InclusionProof,
@@ -50,6 +51,7 @@ from kvgraft.schemas import (
     dump_wire,
 )
 
+from . import queries
 from .accounts import TokenInfo
 from .blobs import WHOLE_READ_BYTES, BlobScrubber, parse_digest_ref
 from .cosignatures import MAX_WITNESSES, WitnessCollector, witness_targets
@@ -72,7 +74,7 @@ from .sequencer import Sequencer
 from .service import Page, PreparedPublish, Published, Registry
 from .settings import RegistrySettings
 from .tiles import CHECKPOINT_CACHE, IMMUTABLE, TILES_PREFIX, tile_resource
-from .ui import static_router, ui_router
+from .ui import browser_error_page, static_router, ui_router
 
 logger = logging.getLogger("kvgraft.registry")
 
@@ -151,7 +153,10 @@ def _registry_error(request: Request[Any, Any, Any], exc: RegistryError) -> Resp
     )
 
 
-def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[dict[str, Any]]:
+def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
+    page = browser_error_page(request, exc)  # a browser's path (not /v1, /schema, /tlog) gets an HTML page
+    if page is not None:
+        return page
     status = exc.status_code
     try:
         title = http.HTTPStatus(status).phrase
@@ -770,6 +775,31 @@ async def list_publishers(request: Request[Any, Any, Any]) -> PublisherList:
     return _wire(PublisherList, {"publishers": await _run(_registry(request).publishers)})
 
 
+def _digest_matches(registry: Registry, prefix: str, artifacts_only: bool) -> dict[str, Any]:
+    """``GET /v1/digests/{prefix}``'s document (``DigestMatches``), read under the database lock."""
+    hex_part = queries.parse_digest_prefix(prefix)
+    if hex_part is None:
+        raise BadRequestError(f"{prefix[:80]!r} is not a short digest",
+                              hint="pass sha256: and 4 to 64 lowercase hex digits (or the hex digits alone)")
+    with registry.db.lock:
+        found = queries.digest_prefix_matches(registry.db, hex_part, artifacts_only=artifacts_only)
+    shown = found[: queries.MAX_PREFIX_MATCHES]
+    return {"prefix": f"sha256:{hex_part}", "matches": [m._asdict() for m in shown], "more": len(found) > len(shown)}
+
+
+@get("/v1/digests/{prefix:str}", guards=[read_guard], summary="Resolve a short digest")
+async def get_digest_matches(
+    request: Request[Any, Any, Any], prefix: FromPath[str], kind: FromQuery[str | None] = None
+) -> DigestMatches:
+    """The artifacts (tensor digests) and records (envelope digests) whose digest starts with
+    ``prefix`` (4 to 64 hex digits, ``sha256:`` optional), at most 10; ``kind=artifact``: artifacts
+    only. A unique prefix names its digest, as git resolves an abbreviated object name; ``kvgraft
+    pull`` resolves short digests through it."""
+    if kind not in (None, "artifact"):
+        raise BadRequestError(f"kind={kind[:40]!r} is not a kind this lookup filters by", hint="pass kind=artifact, or leave it out")
+    return _wire(DigestMatches, await _run(_digest_matches, _registry(request), prefix, kind == "artifact"))
+
+
 # --- admin (local operator only: authenticated by the secret in DATA/admin.json) ---------------
 
 
@@ -860,7 +890,7 @@ ROUTES = [
     post_entry, list_entries, get_entry, get_envelope,
     get_checkpoint, get_log_key, get_inclusion, get_consistency,
     get_tiles_checkpoint, get_tile,
-    list_artifacts, get_artifact, list_records, list_publishers,
+    list_artifacts, get_artifact, list_records, list_publishers, get_digest_matches,
     admin_list_keys, admin_add_key, admin_list_tokens, admin_create_token, admin_revoke_token,
 ]
 

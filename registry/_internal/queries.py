@@ -656,3 +656,57 @@ def leaf_hashes(db: Database, start: int, end: int) -> list[tuple[int, bytes]]:
 def checkpoint_roots(db: Database, tree_sizes: Iterable[int]) -> dict[int, bytes]:
     """The root hash of each checkpoint in ``tree_sizes`` that was signed, by tree size."""
     return _bytes_by(db, "checkpoints", "tree_size", "root_hash", tree_sizes)
+
+
+# --- short digests -----------------------------------------------------------------------------
+# Resolved as git resolves an abbreviated object name: a unique prefix names its digest; an
+# ambiguous one is refused with the candidates listed (the UI, GET /v1/digests/{prefix}, kvgraft pull).
+
+#: The fewest hex digits a short digest may have (git's minimum abbreviation).
+MIN_PREFIX_HEX = 4
+#: Candidates listed at most for an ambiguous prefix.
+MAX_PREFIX_MATCHES = 10
+
+
+class DigestMatch(NamedTuple):
+    """A digest a prefix names: an artifact's tensors (``kind`` artifact, its first entry) or a record's envelope."""
+
+    digest: str
+    kind: str
+    log_index: int
+    publisher: str
+
+
+def parse_digest_prefix(text: str) -> str | None:
+    """The hex digits of a short digest (``sha256:1f2e``, ``1f2e3d4c``; 4 to 64 lowercase hex), or
+    None when ``text`` is not one."""
+    hex_part = text.removeprefix("sha256:")
+    if MIN_PREFIX_HEX <= len(hex_part) <= 64 and all(c in "0123456789abcdef" for c in hex_part):
+        return hex_part
+    return None
+
+
+def digest_prefix_matches(
+    db: Database, prefix_hex: str, *, artifacts_only: bool = False, limit: int = MAX_PREFIX_MATCHES
+) -> list[DigestMatch]:
+    """Artifacts whose tensor digest, then records whose envelope digest, start with
+    ``sha256:<prefix_hex>``, each ordered by digest; at most ``limit + 1`` (one more says there are more).
+
+    ``prefix_hex`` must come from ``parse_digest_prefix``: hex only, so no LIKE wildcard reaches the query.
+    """
+    if parse_digest_prefix(prefix_hex) != prefix_hex:
+        raise BadRequestError(f"{prefix_hex[:80]!r} is not a short digest", hint="pass 4 to 64 lowercase hex digits")
+    like, cap = f"sha256:{prefix_hex}%", int(limit) + 1
+    rows = db.query(
+        "SELECT e.artifact_digest, 'artifact', e.log_index, e.publisher FROM entries e WHERE e.artifact_digest LIKE ? "
+        "AND e.log_index = (SELECT min(f.log_index) FROM entries f WHERE f.artifact_digest = e.artifact_digest) "
+        f"ORDER BY e.artifact_digest LIMIT {cap}",
+        [like],
+    )
+    if not artifacts_only and len(rows) < cap:
+        rows += db.query(
+            f"SELECT digest, kind, log_index, publisher FROM entries WHERE kind <> 'artifact' AND digest LIKE ? "
+            f"ORDER BY digest LIMIT {cap - len(rows)}",
+            [like],
+        )
+    return [DigestMatch(str(d), str(k), int(i), str(p)) for d, k, i, p in rows]

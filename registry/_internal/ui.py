@@ -157,6 +157,11 @@ def _html(request: Request[Any, Any, Any], template: str, *, status: int = 200, 
 def _html_error(request: Request[Any, Any, Any], exc: Exception) -> Response[str]:
     if isinstance(exc, RegistryError):
         status, title, message, hint = exc.status_code, exc.title, exc.message, exc.hint
+    elif isinstance(exc, HTTPException) and exc.status_code in (404, 405):
+        # No page here (or not for this method): say which address, never a bare "Not Found".
+        status, title = exc.status_code, "No such page"
+        message = f"{request.method} {request.url.path[:200]} is not part of this registry"
+        hint = "start from the overview, or search the artifacts by text, digest, publisher or model"
     elif isinstance(exc, HTTPException):
         status, title, message, hint = exc.status_code, "Request refused", str(exc.detail), "check the address and its parameters"
     else:
@@ -172,6 +177,20 @@ def _html_error(request: Request[Any, Any, Any], exc: Exception) -> Response[str
     response = _html(request, "error.html", status=status, title=title, message=message, hint=hint)
     response.headers.update(headers)
     return response
+
+
+#: Where the machine interfaces live (the API, its OpenAPI schema, the log's tiles): an error
+#: there is problem JSON. Every other path is the browser's: its errors are HTML pages.
+_MACHINE_PREFIXES = ("/v1/", "/schema", "/tlog/")
+
+
+def browser_error_page(request: Request[Any, Any, Any], exc: HTTPException) -> Response[str] | None:
+    """The HTML error page for a refused request to a browser path (a page that does not exist,
+    ``/publishers/NAME/x``, a method pages do not take); None for the machine interfaces."""
+    path = request.scope.get("path", "")
+    if path in ("/v1", "/tlog") or path.startswith(_MACHINE_PREFIXES):
+        return None
+    return _html_error(request, exc)
 
 
 #: An absolute filesystem path (two or more segments), not preceded by a URL scheme or host.
@@ -356,7 +375,32 @@ def artifacts_context(
     parent: str | None,
     before: int | None,
 ) -> dict[str, Any]:
-    """One page of artifacts, newest first, filtered as ``GET /v1/artifacts`` filters (``queries.ArtifactFilter``)."""
+    """One page of artifacts, newest first, filtered as ``GET /v1/artifacts`` filters (``queries.ArtifactFilter``).
+
+    The search box takes more than words: a digest or a short one (``redirect`` to the one page
+    it names, or ``candidates`` when it names several), or a publisher's or a model's exact name
+    (the listing filtered by it: ``searched_as``)."""
+    searched_as, candidates = None, []
+    if q and q.strip():
+        term = q.strip()
+        prefix = queries.parse_digest_prefix(term)
+        # A hex word is a digest when it says so (sha256:) or is as long as git's abbreviations (7).
+        if prefix is not None and (term.startswith("sha256:") or len(prefix) >= 7):
+            with registry.db.lock:
+                matches = queries.digest_prefix_matches(registry.db, prefix)
+            if len(matches) == 1:
+                return {"redirect": _match_url(matches[0])}
+            candidates = [(_match_url(m), m.digest, f"{m.kind}, entry {m.log_index} by {m.publisher}")
+                          for m in matches[: queries.MAX_PREFIX_MATCHES]]
+            if candidates:
+                q = None
+        if q:
+            with registry.db.lock:
+                facets = queries.artifact_facets(registry.db)
+            if publisher is None and term in facets.publishers:
+                publisher, q, searched_as = term, None, f"publisher {term}"
+            elif model is None and term in facets.models:
+                model, q, searched_as = term, None, f"model {term}"
     # Checked and bounded before the database lock is taken, as the API's.
     where = ArtifactFilter(model=model, profile=profile, parent=parent, publisher=publisher, q=q).where(registry.settings)
     with registry.db.lock:
@@ -371,6 +415,8 @@ def artifacts_context(
         "filters": filters,
         "facets": facets._asdict(),
         "search_q": q or "",
+        "searched_as": searched_as,
+        "candidates": candidates,
         "next_url": _url("/artifacts", **filters, before=rows[-1]["log_index"]) if listing.more else None,
         "first_url": _url("/artifacts", **filters) if before is not None else None,
     }
@@ -385,11 +431,13 @@ async def artifacts(
     publisher: FromQuery[str | None] = None,
     parent: FromQuery[str | None] = None,
     before: FromQuery[int | None] = None,
-) -> Response[str]:
-    """Artifacts, newest first: search the source text, filter by model, profile, publisher, parent."""
+) -> Response[Any]:
+    """Artifacts, newest first: search the source text (or go to a digest, a publisher, a model), filter by model, profile, publisher, parent."""
     context = await _run(
         artifacts_context, _registry(request), q=q, model=model, profile=profile, publisher=publisher, parent=parent, before=before
     )
+    if "redirect" in context:
+        return Redirect(path=context["redirect"])
     return _html(request, "artifacts.html", **context)
 
 
@@ -532,12 +580,44 @@ def _read_statement(envelope_bytes: bytes) -> tuple[Statement | None, Any, str |
     return None, _payload_raw(envelope_bytes), problem
 
 
+def _match_url(match: queries.DigestMatch) -> str:
+    return f"/{'artifacts' if match.kind == 'artifact' else 'records'}/{match.digest}"
+
+
+def short_digest_target(registry: Registry, ref: str) -> Redirect | dict[str, Any] | None:
+    """A short digest in a page's path, resolved as git resolves an abbreviated name: a redirect
+    to the one artifact or record it names; the error page's context listing the candidates when
+    it names several (``queries.digest_prefix_matches``); ``NotFoundError`` when it names none.
+    None when ``ref`` is a full digest or no short digest at all (the page's own checks apply)."""
+    prefix = queries.parse_digest_prefix(ref)
+    if prefix is None or len(prefix) == 64:
+        return None
+    with registry.db.lock:
+        matches = queries.digest_prefix_matches(registry.db, prefix)
+    if not matches:
+        raise NotFoundError(f"no artifact or record digest starts with sha256:{prefix}",
+                            hint="check the digest, or search for the artifact's text at /artifacts")
+    if len(matches) == 1:
+        return Redirect(path=_match_url(matches[0]))
+    more = " (and more)" if len(matches) > queries.MAX_PREFIX_MATCHES else ""
+    return {
+        "title": "Ambiguous short digest",
+        "message": f"sha256:{prefix} is the start of {min(len(matches), queries.MAX_PREFIX_MATCHES)} digests{more}",
+        "hint": "use more of the digest: one of those below, in full or as a longer unique prefix",
+        "candidates": [(_match_url(m), m.digest, f"{m.kind}, entry {m.log_index} by {m.publisher}")
+                       for m in matches[: queries.MAX_PREFIX_MATCHES]],
+    }
+
+
 @get("/artifacts/{digest:str}", guards=[_guard], include_in_schema=False)
 async def artifact(
     request: Request[Any, Any, Any], digest: FromPath[str], signer: FromQuery[str | None] = None
-) -> Response[str]:
+) -> Response[Any]:
     """One artifact as one entry claims it (``?signer=KEYID``: the first that key signed), with who signed it and what proves it."""
     registry = _registry(request)
+    short = await _run(short_digest_target, registry, digest)
+    if short is not None:
+        return short if isinstance(short, Redirect) else _html(request, "error.html", status=409, **short)
     context = await _run(artifact_context, registry, digest, command_base(registry), signer)
     return _html(request, context.pop("template"), **context)
 
@@ -750,6 +830,9 @@ def record_context(registry: Registry, digest: str, base: str | None) -> dict[st
 async def record(request: Request[Any, Any, Any], digest: FromPath[str]) -> Response[Any]:
     """One record by its entry digest: its figures, re-verified signature and log proof."""
     registry = _registry(request)
+    short = await _run(short_digest_target, registry, digest)
+    if short is not None:
+        return short if isinstance(short, Redirect) else _html(request, "error.html", status=409, **short)
     context = await _run(record_context, registry, digest, command_base(registry))
     if context["kind"] == "artifact":
         return Redirect(path=f"/artifacts/{context['entry']['artifact']['digest']}")
@@ -859,6 +942,23 @@ async def publishers(request: Request[Any, Any, Any]) -> Response[str]:
     return _html(request, "publishers.html", **await _run(publishers_context, _registry(request)))
 
 
+def publisher_context(registry: Registry, name: str) -> dict[str, Any]:
+    """One publisher: its keys, its entry counts by kind and its most recent entries."""
+    with registry.db.lock:
+        found = [p for p in registry.publishers() if p["name"] == name]
+        if not found:
+            raise NotFoundError(f"no publisher named {name[:200]!r} is registered here", hint="see every publisher at /publishers")
+        counts = queries.kinds_by_publisher(registry.db).get(name, {})
+        recent, envelopes = _listing(registry, queries.Where("publisher = ?", [name]), Seek(RECENT, before=_before(None)))
+    return {"pub": found[0], "counts": counts, "recent": _listed(recent, envelopes)}
+
+
+@get("/publishers/{name:str}", guards=[_guard], include_in_schema=False)
+async def publisher(request: Request[Any, Any, Any], name: FromPath[str]) -> Response[str]:
+    """One publisher's page: keys, counts and recent entries."""
+    return _html(request, "publisher.html", **await _run(publisher_context, _registry(request), name))
+
+
 def trusted_keys_document(registry: Registry, name: str) -> dict[str, Any]:
     """A trusted-keys file (docs/trusted-keys.md) holding ``name``'s registered keys."""
     keys = tuple(key for key, owner in registry.accounts.registered_keys().values() if owner == name)
@@ -887,7 +987,7 @@ def ui_router() -> Router:
         path="/",
         route_handlers=[
             overview, artifacts, artifact, records, record, entry_redirect, log_page, registry_key_pem, publishers,
-            publisher_trusted_keys,
+            publisher, publisher_trusted_keys,
         ],
         exception_handlers={RegistryError: _html_error, HTTPException: _html_error, Exception: _html_error},
     )

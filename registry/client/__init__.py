@@ -39,6 +39,7 @@ from __future__ import annotations
 from kvgraft.schemas import KV_FILE, RECORD_FILE, STATEMENT_FILE, kvgraft_home
 
 from .errors import (
+    AmbiguousDigestError,
     BlobDigestError,
     CheckpointMemoryError,
     DiskFullError,
@@ -107,7 +108,7 @@ __all__ = [
     "EnvelopeSignatureError", "EvidenceError", "KV_FILE", "ListingError", "LocalEntry", "LocalFilesError",
     "LogForkError", "MAX_CHAIN", "MAX_ENVELOPE_BYTES", "MirrorDivergedError", "MirrorResult", "NO_MEMORY",
     "PAGE_LIMIT", "ParentNotPublishedError", "Progress", "PublishResult", "PullResult", "RECORD_FILE",
-    "RegistryAuthError", "RegistryClient", "RegistryClientError", "RegistryKey", "RegistryNotFoundError",
+    "AmbiguousDigestError", "RegistryAuthError", "RegistryClient", "RegistryClientError", "RegistryKey", "RegistryNotFoundError",
     "RegistryResponseError", "RegistryUnavailableError", "RememberedHead", "ResponseTooLargeError", "STATEMENT_FILE",
     "commit", "envelope_file", "find_local_artifact", "kvgraft_home", "local_write_error", "mirror", "parse_json_answer",
     "publish", "pull", "read_local", "registry_key", "safe_path", "stage", "statement_of",

@@ -75,6 +75,12 @@ class RegistryNotFoundError(RegistryResponseError):
     default_hint = "check the digest; list what the registry holds with GET /v1/artifacts"
 
 
+class AmbiguousDigestError(RegistryClientError):
+    """A short digest is the start of several digests in the registry (as git refuses an ambiguous abbreviation)."""
+
+    default_hint = "pass more of the digest: one of the candidates the message lists"
+
+
 class LocalFilesError(RegistryClientError):
     """A local directory or file cannot be published or written (missing, unsafe, already there)."""
 

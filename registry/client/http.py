@@ -35,6 +35,7 @@ from kvgraft.schemas import (
     ArtifactDocument,
     BlobStored,
     ConsistencyProof,
+    DigestMatches,
     EntryDocument,
     InclusionProof,
     Listing,
@@ -45,6 +46,7 @@ from kvgraft.schemas import (
 from kvgraft.verifier import Checkpoint, WitnessPolicy
 
 from .errors import (
+    AmbiguousDigestError,
     BlobDigestError,
     DiskFullError,
     EvidenceError,
@@ -562,6 +564,32 @@ class RegistryClient:
         status, body = self._request(method, path, what="a JSON answer", **kwargs)
         url = self.url + path
         return status, parse_wire(model, parse_json_answer(body, url, self.limits), url, what)
+
+    # --- short digests --------------------------------------------------------------------
+
+    def resolve_digest(self, text: str, *, artifacts_only: bool = True) -> str:
+        """``text`` as a full ``sha256:<hex>`` digest: itself when it is one; else a short digest
+        (``sha256:1f2e3d4c`` or ``1f2e3d4c``, at least 4 hex digits) resolved by the registry
+        (``GET /v1/digests/{prefix}``) as git resolves an abbreviation: the one digest it starts,
+        ``RegistryNotFoundError`` for none, ``AmbiguousDigestError`` listing the candidates for several."""
+        hex_part = text.removeprefix("sha256:")
+        if len(hex_part) == 64:
+            return checked_digest(text)
+        if not (4 <= len(hex_part) < 64 and all(c in "0123456789abcdef" for c in hex_part)):
+            raise RegistryClientError(f"{text[:80]!r} is neither a digest nor a short one",
+                                      hint="pass sha256:<64 lowercase hex>, or a unique start of one (at least 4 hex digits)")
+        query = "?kind=artifact" if artifacts_only else ""
+        found = self._document(DigestMatches, f"/v1/digests/sha256:{hex_part}{query}", "the digests")[1]
+        # The registry's answer is checked, not trusted: every match must start with what was asked.
+        matches = [m.digest for m in found.matches if m.digest.startswith(f"sha256:{hex_part}")]
+        what = "artifact digest" if artifacts_only else "digest"
+        if not matches:
+            raise RegistryNotFoundError(f"no {what} in {self.url} starts with sha256:{hex_part}",
+                                        hint="check the digest; list the registry's artifacts with GET /v1/artifacts")
+        if len(matches) > 1 or found.more:
+            listed = ", ".join(matches) + (", ..." if found.more else "")
+            raise AmbiguousDigestError(f"sha256:{hex_part} is the start of several {what}s in {self.url}: {listed}")
+        return checked_digest(matches[0])
 
     # --- the log -------------------------------------------------------------------------
 

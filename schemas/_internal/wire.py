@@ -287,6 +287,25 @@ class PublisherList(Wire):
     publishers: list[Publisher]
 
 
+class DigestMatch(Wire):
+    """A digest a short digest names: an artifact's tensors (``kind`` artifact, its first entry) or a record's envelope."""
+
+    digest: str
+    kind: str
+    log_index: int
+    publisher: str
+
+
+class DigestMatches(Wire):
+    """``GET /v1/digests/{prefix}``: the digests that start with ``prefix`` (``sha256:<hex>``),
+    artifacts first, each ordered by digest; ``more`` when there are more than listed. One match
+    is what a unique short digest names (as git resolves an abbreviated object name)."""
+
+    prefix: str
+    matches: list[DigestMatch]
+    more: bool
+
+
 def dump_wire(model: BaseModel) -> dict[str, Any]:
     """``model`` as the JSON object the API sends: only the keys that were set, in order."""
     return model.model_dump(mode="json", exclude_unset=True)
