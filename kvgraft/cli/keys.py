@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from kvgraft.schemas import (
+    SchemaError,
     Statement,
     Subject,
     SubjectDigest,
     canonical_model,
+    check_subject_names,
     hex_of,
     parse_json,
     parse_statement,
@@ -87,6 +89,11 @@ def _cmd_sign(args: argparse.Namespace) -> dict[str, Any]:
         raise CliError(f"cannot read predicate file {args.predicate}: {e.strerror}", hint="pass a JSON file") from e
     if not isinstance(predicate, dict):
         raise CliError(f"predicate file {args.predicate} must hold a JSON object", hint="wrap the fields in {...}")
+    try:
+        # The one subject-name rule, checked before anything is hashed or signed.
+        check_subject_names([path.name for path in args.subject])
+    except SchemaError as e:
+        raise CliError(f"cannot sign these subjects: {e.message}", hint=e.hint) from e
     subjects = []
     for path in args.subject:
         if not path.is_file():

@@ -371,3 +371,15 @@ def test_publish_regression_signature_refusal_did_not_name_the_signer(tmp_path: 
         assert r.status_code == 422, r.text
         assert r.json()["type"].endswith("/invalid-signature")
         assert f"signature claiming key {alice_id[:16]}... of publisher 'alice' does not verify" in r.json()["detail"]
+
+
+def test_sign_regression_a_subject_name_the_rule_refuses_is_one_line(tmp_path: Path, rkeys: dict[str, Key]) -> None:
+    # The one subject-name rule applies to 'kvgraft sign' too, before anything is signed: one line, no traceback.
+    (tmp_path / "log.json").write_text("a file named like the log proof\n")
+    (tmp_path / "predicate.json").write_text("{}")
+    out = tmp_path / "out.dsse.json"
+    done = registry_cli("sign", "--key", rkeys["alice"].path, "--subject", tmp_path / "log.json", "--predicate-type",
+                        "https://example.com/p", "--predicate", tmp_path / "predicate.json", "--out", out)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("kvgraft: CliError: cannot sign these subjects: subject name 'log.json' takes the place of log.json")
+    assert not out.exists()
