@@ -125,6 +125,13 @@ def test_fresh_engine_prefix_cache_off_chunked_prefill_loads_the_store(runs: dic
     assert "kvgraft: connector on smollm2-135m-" in log
 
 
+def test_request_with_a_cache_salt_loads_nothing(runs: dict[str, Any]) -> None:
+    # Its blocks are stored (prompt 2 loaded all four just before), but a salted request asked for
+    # a KV cache of its own: vLLM's prefix cache keeps it apart, and so does the connector.
+    assert runs["second"]["warm"][2]["num_cached_tokens"] == USABLE
+    assert runs["second"]["salted"][0]["num_cached_tokens"] == 0
+
+
 def test_nothing_is_left_half_written_in_the_store(runs: dict[str, Any]) -> None:
     entries = sorted(runs["store"].iterdir())
     assert [p.name for p in entries if p.name.startswith(".")] == []

@@ -10,7 +10,7 @@ and the connector's log to stderr. Two phases share one store:
   batch is always run whole: vLLM's CPU build is not batch-invariant (prompt 0 decoded alone
   differs from prompt 0 decoded beside five others in the last bits of its logprobs, measured).
 - ``second`` (a fresh engine, prefix caching off, chunked prefill in 64-token chunks): the batch
-  once more, warm from the store.
+  once more, warm from the store; then prompt 2 with a ``cache_salt``.
 
 Each generation records token ids, the top-k logprobs of every step, and num_cached_tokens.
 """
@@ -44,7 +44,7 @@ def prompts() -> list[str]:
     return [SHARED + q + " I have an hour before my train leaves, so " + q.lower() for q in QUESTIONS]
 
 
-def run(llm: Any, texts: list[str]) -> list[dict[str, Any]]:
+def run(llm: Any, texts: list[Any]) -> list[dict[str, Any]]:
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=TOP_LOGPROBS)
@@ -138,6 +138,8 @@ def main() -> int:
         result["after_forge"] = run(llm, texts)
     else:
         result["warm"] = run(llm, texts)
+        # A request with its own cache salt asked not to share KV: the connector loads nothing for it.
+        result["salted"] = run(llm, [{"prompt": texts[2], "cache_salt": "tenant-a"}])
     args.out.write_text(json.dumps(result))
     return 0
 

@@ -187,6 +187,17 @@ def make_binding(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_
     )
 
 
+def _token_ids_decide_kv(request: Request) -> bool:
+    """Whether the request's KV is a function of its token ids alone, which chain keys name.
+
+    Not so for multimodal inputs (placeholder tokens stand for the images), prompt embeddings,
+    a LoRA adapter (it changes the K and V projections), or a cache salt (the request asked for
+    its own prefix cache): such requests neither load nor save.
+    """
+    return not (request.mm_features or request.prompt_embeds is not None or request.lora_request is not None
+                or request.cache_salt)
+
+
 def _installed(distribution: str) -> bool:
     try:
         version(distribution)
@@ -254,7 +265,7 @@ class KvgraftConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens past ``num_computed_tokens`` whose blocks are stored and verify (see the module docstring)."""
-        if not self._kv_transfer_config.is_kv_consumer:  # kv_role "kv_producer": save only
+        if not self._kv_transfer_config.is_kv_consumer or not _token_ids_decide_kv(request):
             return 0, False
         prompt = request.prompt_token_ids or []
         usable = min((len(prompt) - 1) // self._block_size, self._settings.max_blocks_per_request)
@@ -262,6 +273,11 @@ class KvgraftConnector(KVConnectorBase_V1):
         state = self._state(request)
         if state.hit_start == start:
             return len(state.hit) * self._block_size, False
+        # One request's verified bytes are held at a time (the scheduler allocates right after it
+        # asks): a request that waits for memory is verified again when it is asked for again.
+        for other in self._requests.values():
+            if other is not state:
+                other.hit, other.hit_start = [], -1
         hit: list[bytes] = []
         for index in range(start, usable):
             claim = self._claim(state, index)
@@ -305,7 +321,7 @@ class KvgraftConnector(KVConnectorBase_V1):
             return meta
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
-            if state is None:
+            if state is None or not _token_ids_decide_kv(state.request):
                 continue
             prompt = state.request.prompt_token_ids or []
             computed = state.request.num_computed_tokens + scheduled
