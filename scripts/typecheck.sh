@@ -27,6 +27,8 @@ for entry in root.iterdir():
     if entry.name != "__pycache__":
         os.symlink(entry, tree / "kvgraft" / entry.name)
 for name, source in package_dir.items():
+    # A package below one that is not mapped (kvgraft.data.datasets) needs its parent folder.
+    (tree / Path(*name.split("."))).parent.mkdir(parents=True, exist_ok=True)
     os.symlink(Path(source).resolve(), tree / Path(*name.split(".")))
 PY
 MYPYPATH="$tree" exec "$PYTHON" -m mypy -p kvgraft

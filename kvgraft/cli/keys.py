@@ -93,7 +93,7 @@ def _cmd_sign(args: argparse.Namespace) -> dict[str, Any]:
         # The one subject-name rule, checked before anything is hashed or signed.
         check_subject_names([path.name for path in args.subject])
     except SchemaError as e:
-        raise CliError(f"cannot sign these subjects: {e.message}", hint=e.hint) from e
+        raise CliError(f"cannot sign these subjects: {e.message}", hint=e.hint or "rename the files") from e
     subjects = []
     for path in args.subject:
         if not path.is_file():
