@@ -710,3 +710,25 @@ def digest_prefix_matches(
             [like],
         )
     return [DigestMatch(str(d), str(k), int(i), str(p)) for d, k, i, p in rows]
+
+
+# --- linked records ----------------------------------------------------------------------------
+
+#: Linked records read at most for one record page.
+MAX_LINKED = 50
+
+
+def linked_entries(db: Database, log_index: int, digest: str, limit: int = MAX_LINKED) -> list[EntryRow]:
+    """The records linked with entry ``log_index`` (envelope ``digest``) both ways, in log order:
+    those that reference it (a replay names its pre-registration), those it references, and
+    those with a subject file of the same digest (an evaluation's outputs are its
+    pre-registration's expected outputs, and a reproducing replay's outputs)."""
+    tail = (
+        "WHERE kind <> 'artifact' AND log_index <> ? AND ("
+        "log_index IN (SELECT log_index FROM entry_refs WHERE ref = ?) "
+        "OR digest IN (SELECT ref FROM entry_refs WHERE log_index = ?) "
+        "OR log_index IN (SELECT s.log_index FROM entry_refs s WHERE s.role = 'subject' AND s.ref IN "
+        "(SELECT ref FROM entry_refs WHERE log_index = ? AND role = 'subject'))) "
+        f"ORDER BY log_index LIMIT {int(limit)}"
+    )
+    return [_entry_row(v) for v in _select(db, _FULL_COLUMNS, tail, [log_index, digest, log_index, log_index])]

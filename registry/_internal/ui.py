@@ -16,13 +16,11 @@ address, else ``$REGISTRY``: never the request's ``Host`` header.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import re
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, TypedDict, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import quote, urlencode
 
 import anyio.to_thread
@@ -38,36 +36,25 @@ import kvgraft
 from kvgraft.schemas import (
     DocumentError,
     EvaluationStatement,
-    ExactnessSample,
     ExactnessStatement,
     KvArtifactStatement,
     PreRegistrationStatement,
     ReplayStatement,
-    Sha256Digest,
     Statement,
     payload_unverified,
-    statement_unverified,
 )
 from kvgraft.verifier import (
     LOGITS_DIR,
     RECORD_FILE,
-    Dataset,
     TrustedKeys,
-    VerificationError,
-    harness_hashes,
-    load_dataset,
 )
 from kvgraft.web import (
     REGISTRY_VARIABLE,
     STATIC_DIR,
-    PlotSeries,
     command,
-    kl_plot_svg,
     lineage_view,
-    mean_figure,
     record_summary,
     render_page,
-    same_figure,
     shell_word,
     url_word,
 )
@@ -77,6 +64,7 @@ from .blobs import parse_digest_ref
 from .entries import RECORD_KINDS
 from .errors import ArtifactNotFoundError, BadRequestError, EntryNotFoundError, NotFoundError, RegistryError
 from .queries import ArtifactFilter, EntryRow, EntrySummary, Listing, RecordFilter, Seek, SubjectRow
+from .record_views import evaluation_context, exactness_context, related_records, stored_statement
 from .service import Registry
 from .signatures import publisher_key_rows, verified_status
 
@@ -87,8 +75,6 @@ T = TypeVar("T")
 PAGE_SIZE = 50
 RECENT = 12
 _PREVIEW = 160
-#: The datasets shipped with kvgraft: an evaluation over one of them shows its questions.
-DATASETS_DIR = Path(__file__).resolve().parents[2] / "data" / "datasets"
 
 _NAV = (("/", "Overview"), ("/artifacts", "Artifacts"), ("/records", "Records"), ("/log", "Log"), ("/publishers", "Publishers"))
 
@@ -214,13 +200,6 @@ def _before(before: int | None) -> int:
         raise BadRequestError(f"before={before} is not a log index", hint="follow the page links, or start from the first page")
     # Past every log index (DuckDB's BIGINT would refuse a larger parameter): the first page.
     return min(before, 2**62)
-
-
-def _statement(envelope_bytes: bytes) -> Statement:
-    try:
-        return statement_unverified(envelope_bytes, what="stored envelope")
-    except (DocumentError, VerificationError, KeyError, TypeError) as e:
-        raise RegistryError(f"a stored envelope cannot be decoded: {e}") from e
 
 
 def _payload_raw(envelope_bytes: bytes) -> Any:
@@ -572,7 +551,7 @@ def _read_statement(envelope_bytes: bytes) -> tuple[Statement | None, Any, str |
     whose statement no longer parses is shown raw with the reason, never as an error page.
     """
     try:
-        return _statement(envelope_bytes), None, None
+        return stored_statement(envelope_bytes), None, None
     except RegistryError as e:
         problem = e.message
     except RecursionError:
@@ -662,116 +641,6 @@ async def records(
     return _html(request, "records.html", **context)
 
 
-@functools.cache
-def _shipped_datasets() -> dict[str, Path]:
-    out: dict[str, Path] = {}
-    for path in sorted(DATASETS_DIR.glob("*.jsonl")) if DATASETS_DIR.is_dir() else []:
-        out["sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()] = path
-    return out
-
-
-@functools.lru_cache(maxsize=4)
-def _dataset(digest: str) -> Dataset | None:
-    path = _shipped_datasets().get(digest)
-    if path is None:
-        return None
-    try:
-        return load_dataset(path)
-    except VerificationError as e:
-        logger.warning("shipped dataset %s cannot be read: %s", path, e)
-        return None
-
-
-class _Companion(TypedDict):
-    """Another exactness record over the same prefix artifacts, shown beside this one."""
-
-    log_index: int
-    level: str
-    shift: int
-    by_prefix: dict[Sha256Digest, ExactnessSample]
-    label: str
-
-
-def _exactness_context(registry: Registry, entry: dict[str, Any], statement: ExactnessStatement) -> dict[str, Any]:
-    p = statement.predicate
-    samples = list(p.samples)
-    # Other exactness records over the same prefix artifacts at another level (a shifted run
-    # beside an own-position one, or the reverse): their figures go beside these.
-    companions: list[_Companion] = []
-    for found in queries.exactness_companions(registry.db, int(entry["log_index"])):
-        index = found.log_index
-        try:
-            other = _statement(found.envelope)
-        except RegistryError:
-            continue
-        if not isinstance(other, ExactnessStatement):
-            continue
-        op = other.predicate
-        if (op.level, op.shift) == (p.level, p.shift):
-            continue
-        by_prefix = {s.prefix_artifact: s for s in op.samples}
-        companions.append({"log_index": int(index), "level": op.level, "shift": op.shift, "by_prefix": by_prefix,
-                           "label": f"{op.level}" + (f" (shift {op.shift})" if op.shift else "") + f", entry {index}"})
-    companions = companions[:2]
-    level = p.level + (f" (shift {p.shift})" if p.shift else "")
-    label = level + ", this record"
-    series = [PlotSeries(label, "s0", [(s.index, s.kl_divergence) for s in samples])]
-    for n, c in enumerate(companions, start=1):
-        pts = [(s.index, c["by_prefix"][s.prefix_artifact].kl_divergence) for s in samples if s.prefix_artifact in c["by_prefix"]]
-        series.append(PlotSeries(c["label"], f"s{n}", pts))
-    recomputed = {
-        "samples": len(samples),
-        "bitwise_equal": sum(s.bitwise_equal for s in samples),
-        "argmax_agree_all": sum(s.argmax_agreement == 1.0 for s in samples),
-        "max_kl_divergence": max((s.kl_divergence for s in samples), default=0.0),
-        "mean_argmax_agreement": mean_figure([s.argmax_agreement for s in samples]),
-    }
-    claimed = p.summary.model_dump()
-    return {
-        "p": p,
-        "samples": samples,
-        "companions": companions,
-        "plot": kl_plot_svg(series),
-        "summary_rows": [(k, claimed[k], recomputed[k], same_figure(claimed[k], recomputed[k])) for k in recomputed],
-        "summary_ok": all(same_figure(claimed[k], recomputed[k]) for k in recomputed),
-        "label": label,
-        "level": level,
-    }
-
-
-def _evaluation_context(statement: EvaluationStatement) -> dict[str, Any]:
-    p = statement.predicate
-    dataset = _dataset(p.dataset.digest)
-    items = []
-    for item in p.items:
-        question = None
-        doc_matches = None
-        if dataset is not None and 0 <= item.doc_id < len(dataset):
-            question = dataset.question(item.doc_id)
-            # The harness's doc hash: says whether the signed item is about this very document.
-            doc_matches = harness_hashes(dataset.docs[item.doc_id], "", "").doc_hash == item.doc_hash
-        items.append({"item": item, "question": question, "doc_matches": doc_matches})
-    n = len(p.items)
-    correct = sum(i.correct for i in p.items)
-    recomputed = {
-        "items": n,
-        "correct": correct,
-        "accuracy": correct / n if n else 0.0,
-        "prompt_tokens": sum(i.prompt_tokens for i in p.items),
-        "decode_tokens": sum(i.decode_tokens for i in p.items),
-    }
-    claimed = p.aggregates.model_dump()
-    return {
-        "p": p,
-        "items": items,
-        "dataset_known": dataset is not None,
-        "doc_mismatches": sum(1 for row in items if row["doc_matches"] is False),
-        "dataset_file": _shipped_datasets().get(p.dataset.digest),
-        "aggregate_rows": [(k, claimed[k], recomputed[k], same_figure(claimed[k], recomputed[k])) for k in recomputed],
-        "all_match": all(same_figure(claimed[k], recomputed[k]) for k in recomputed),
-    }
-
-
 def record_context(registry: Registry, digest: str, base: str | None) -> dict[str, Any]:
     """A record page by its entry (envelope) digest; artifacts redirect to their own page.
 
@@ -789,6 +658,7 @@ def record_context(registry: Registry, digest: str, base: str | None) -> dict[st
             return {"kind": "artifact", "entry": entry}
         key_rows = publisher_key_rows(registry, entry["publisher"])
         proof = _proof_context(registry, entry)
+        related = related_records(registry, entry)
     signature = verified_status(registry, envelope_bytes, entry["publisher"], key_rows)
     statement, raw_json, problem = _read_statement(envelope_bytes)
     directory = "rec"
@@ -799,10 +669,10 @@ def record_context(registry: Registry, digest: str, base: str | None) -> dict[st
     keys = ("--trusted-keys", "trusted-keys.json")
     if isinstance(statement, ExactnessStatement):
         # Its one query takes the lock itself; the companions' statements are parsed without it.
-        context["special"] = _exactness_context(registry, entry, statement)
+        context["special"] = exactness_context(registry, entry, statement)
         check = command("kvgraft-verify", "exactness", q(directory), *keys)
     elif isinstance(statement, EvaluationStatement):
-        context["special"] = _evaluation_context(statement)
+        context["special"] = evaluation_context(statement)
         file = context["special"]["dataset_file"]
         dataset = f"data/datasets/{file.name}" if file else "DATASET.jsonl"
         check = command("kvgraft-verify", "eval", q(directory), "--dataset", q(dataset), *keys)
@@ -814,6 +684,7 @@ def record_context(registry: Registry, digest: str, base: str | None) -> dict[st
         context["special"] = {"settings": statement.predicate.settings}
     context.update(
         entry=entry,
+        related=related,
         statement=statement,
         statement_json=raw_json if statement is None else statement.model_dump(mode="json", by_alias=True),
         signature=signature,

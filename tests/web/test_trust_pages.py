@@ -57,7 +57,7 @@ HOSTILE_NAMES = [
     f"dollar$(touch {MARK})x",
     f"tick`touch {MARK}`",
     f"semi;touch {MARK};",
-    f"nl\ntouch {MARK}\n",
+    # A newline in a name is refused at publish now (kvgraft.schemas check_subject_name): no page can show one.
     f"quote'\"; touch {MARK} #",
     f"sub dir/$(touch {MARK})/deep file",
     "bidi\u202egpj.exe",
