@@ -24,13 +24,23 @@ def test_every_package_directory_is_listed() -> None:
 def test_packaging_regression_the_wheel_lacked_the_datasets(tmp_path: Path) -> None:
     # Was: data/datasets was not in the wheel, so 'kvgraft exactness' (which draws its texts from
     # gsm8k_test.jsonl and aime2025.jsonl) failed outside a checkout: "the sample texts ... are missing".
+    import shutil
     import subprocess
     import sys
     import zipfile
 
+    # Built from a copy of what the distribution is made of: setuptools builds in the source tree
+    # (build/), which must not be left behind in the checkout, nor reused stale.
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", config["project"]["readme"]):
+        shutil.copy(REPO / name, source / name)
+    for folder in config["tool"]["setuptools"]["package-dir"].values():
+        shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path / "wheel"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
         check=True, capture_output=True, timeout=600, cwd=tmp_path,
     )
     (wheel,) = out.glob("kvgraft-*.whl")
