@@ -45,7 +45,10 @@ def _witness_key(path: Path, name: str, passphrase_env: str | None) -> WitnessKe
 
 def _cmd_key(args: argparse.Namespace) -> dict[str, Any]:
     key = _witness_key(args.key, args.name, args.passphrase_env)
-    return {"name": key.name, "key_id": key.key_id.hex(), "vkey": key.vkey, "summary": key.vkey}
+    if args.url is None:
+        return {"name": key.name, "key_id": key.key_id.hex(), "vkey": key.vkey, "summary": key.vkey}
+    line = key.policy_line(args.url)
+    return {"name": key.name, "key_id": key.key_id.hex(), "vkey": key.vkey, "policy_line": line, "summary": line}
 
 
 def _cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
@@ -79,6 +82,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         p.add_argument("--name", required=True,
                        help="the witness's key name, a schema-less URL such as witness.example/w1")
         p.add_argument("--passphrase-env", metavar="VAR", help="the key's passphrase is in this environment variable")
+    key.add_argument("--url", metavar="URL",
+                     help="the witness's base URL: print its witness policy line, 'witness NAME VKEY URL' (docs/witness.md)")
     serve.add_argument("--state", type=Path, required=True, metavar="DIR",
                        help="where the last cosigned checkpoint of each log is kept (one file per log)")
     serve.add_argument("--log", action="append", required=True, metavar="VKEY",

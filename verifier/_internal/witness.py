@@ -31,18 +31,23 @@ and key ID match a known witness key must verify, or the whole note is refused
 the future, or dated 0, is not counted (the witness's clock, or a witness omitting the timestamp),
 and the quorum error says so.
 
-**Witness policies** are c2sp.org/tlog-policy files, a subset of which kvgraft reads (every
-keyword, no URLs needed)::
+**Witness policies** are c2sp.org/tlog-policy files, as transparency-dev's Tessera reads them
+(``NewWitnessGroupFromPolicy``: the URL on witness lines required there, so kvgraft writes one)::
 
-    # comments and blank lines are ignored; items are separated by spaces or tabs
+    # comments (to the end of a line) and blank lines are ignored; items are separated by spaces or tabs
     log <log vkey> [<url>]                  optional: the checkpoint's log key must be one of these
-    witness <name> <witness vkey> [<url>]   a witness, named for the lines below
+    witness <name> <witness vkey> [<url>]   a witness, named for the lines below; <url>: its base URL
     group <name> <k|any|all> <member>...    witnessed when k of its members are (witnesses or groups)
     quorum <name|none>                      exactly one: what a checkpoint needs
 
+A witness vkey is type 0x04 or 0x01 (the same Ed25519 key; ``parse_witness_vkey``). No name may
+be a keyword (``witness``, ``group``, ``quorum``, ``log``, ``any``, ``all``, ``none``).
+
 A group or the quorum names only witnesses and groups defined on earlier lines (so no cycle); a
 name is a member of at most one group, once (so groups are disjoint trees and each witness counts
-towards the quorum in one way only); names are shared by witnesses and groups, ``none`` is reserved. "K of N" is
+towards the quorum in one way only); names are shared by witnesses and groups; one key is one
+witness (a key under two names would count twice). Where Tessera is laxer (a key or a member
+listed twice, a threshold of 0, a second quorum line, a URL of any scheme) kvgraft refuses. "K of N" is
 ``group g K w1 ... wN`` then ``quorum g``. Limits (a stranger may hand you a policy): 64 KiB,
 64 logs, 64 witnesses, 64 groups, 64 members per group, lines of 4096 characters. The file must be
 UTF-8 (the spec treats non-ASCII octets as opaque; kvgraft's names are signed-note key names,
@@ -83,6 +88,8 @@ from .tlog import (
 
 #: The c2sp.org/signed-note signature type byte of timestamped Ed25519 checkpoint cosignatures.
 COSIGNATURE_TYPE = 0x04
+#: The signed-note type byte of an Ed25519 note signer key, which a witness vkey may also be given as.
+_NOTE_ED25519_TYPE = 0x01
 #: The first line of every cosignature/v1 signed message (domain separation).
 COSIGNATURE_HEADER = b"cosignature/v1\n"
 #: Bytes of a cosignature after its key ID: the 8-byte timestamp and the 64-byte Ed25519 signature.
@@ -103,6 +110,10 @@ MAX_GROUP_MEMBERS = 64
 _KEY_ID_HEX = re.compile(r"[0-9a-f]{8}", re.ASCII)
 _THRESHOLD = re.compile(r"[1-9][0-9]{0,3}", re.ASCII)
 _SEPARATORS = re.compile(r"[ \t]+")
+#: A witness line's URL: the witness's base URL (its add-checkpoint is ``<URL>/add-checkpoint``).
+_URL = re.compile(r"https?://[^\s#]+", re.ASCII)
+#: The words no witness or group may be named (transparency-dev's parser refuses them too).
+_KEYWORDS = frozenset({"witness", "group", "quorum", "log", "any", "all", "none"})
 #: How parse_witness_policy words an error of line N: (N, what is wrong, how to fix it).
 _Fail = Callable[[int, str, str], WitnessPolicyError]
 
@@ -138,6 +149,15 @@ class WitnessKey:
         material = bytes([COSIGNATURE_TYPE]) + _raw_public_key(self.public_key)
         return f"{self.name}+{self.key_id.hex()}+{base64.b64encode(material).decode('ascii')}"
 
+    def policy_line(self, url: str) -> str:
+        """``witness <name> <vkey> <url>``: this witness's line of a witness policy, in the form
+        transparency-dev's parser requires (the URL given: its base URL, under which
+        ``add-checkpoint`` is), named by its key name. Checked by ``parse_witness_policy``, the
+        one rule (``WitnessPolicyError`` for a URL it refuses)."""
+        line = f"witness {self.name} {self.vkey} {url}"
+        parse_witness_policy(f"{line}\nquorum {self.name}\n".encode(), source=f"the policy line of witness {self.name}")
+        return line
+
     def same_key(self, other: WitnessKey) -> bool:
         """True when both wrap the same public key (whatever their names)."""
         return _raw_public_key(self.public_key) == _raw_public_key(other.public_key)
@@ -148,12 +168,16 @@ def format_witness_vkey(name: str, public_key: Ed25519PublicKey) -> str:
     return WitnessKey(name, public_key).vkey
 
 
-def parse_witness_vkey(vkey: str) -> WitnessKey:
-    """Parse a witness verifier key (signature type 0x04, Ed25519).
+def parse_witness_vkey(vkey: str, *, note_key_ok: bool = False) -> WitnessKey:
+    """Parse a witness verifier key: Ed25519, signature type 0x04 (its cosignature key), or, with
+    ``note_key_ok``, type 0x01 (the same Ed25519 key as a note signer, as witnesses publish it:
+    transparency-dev's ``NewVerifierForCosignatureV1`` takes both, and policies in its format
+    name witnesses by either). Either way cosignatures are checked as type 0x04
+    (``WitnessKey.key_id``); the key ID in the vkey must match the type it states.
 
     Raises ``MalformedInputError`` naming the fault: not three ``+``-separated parts, a bad name,
-    a key ID that is not 8 lowercase hex digits or does not match, another signature type (a
-    type-0x01 key signs checkpoints, it does not cosign them).
+    a key ID that is not 8 lowercase hex digits or does not match, another signature type (without
+    ``note_key_ok``, a type-0x01 key: where a log's key is at hand, it is the likelier mistake).
     """
     if not isinstance(vkey, str):
         raise MalformedInputError(f"a witness verifier key must be a string, got {type(vkey).__name__}")
@@ -169,18 +193,19 @@ def parse_witness_vkey(vkey: str) -> WitnessKey:
     if not _KEY_ID_HEX.fullmatch(key_id):
         raise MalformedInputError(f"witness key {name!r}: key ID {key_id!r} is not 8 lowercase hex digits")
     material = _strict_b64decode(encoded, f"witness key {name!r}")
-    if len(material) == 33 and material[0] == 0x01:
+    if len(material) == 33 and material[0] == _NOTE_ED25519_TYPE and not note_key_ok:
         raise MalformedInputError(
             f"witness key {name!r} is a note signing key (type 0x01, a log's key), not a cosignature key (type 0x04)",
             hint="pass the witness's cosignature vkey, which 'kvgraft witness key' prints",
         )
-    if len(material) != 33 or material[0] != COSIGNATURE_TYPE:
+    if len(material) != 33 or material[0] not in (COSIGNATURE_TYPE, _NOTE_ED25519_TYPE):
         raise MalformedInputError(
-            f"witness key {name!r} is not an Ed25519 cosignature key (type 0x04 and 32 bytes)",
+            f"witness key {name!r} is not an Ed25519 witness key (type 0x04, or 0x01, and 32 bytes)",
             hint="only Ed25519 cosignatures (c2sp.org/tlog-cosignature, type 0x04) are supported",
         )
     key = WitnessKey(name, Ed25519PublicKey.from_public_bytes(material[1:]))
-    if key.key_id.hex() != key_id:
+    stated = key.key_id if material[0] == COSIGNATURE_TYPE else note_key_id(name, key.public_key)
+    if stated.hex() != key_id:
         raise MalformedInputError(f"witness key {name!r}: key ID {key_id} does not match its name and key")
     return key
 
@@ -368,6 +393,7 @@ def parse_witness_policy(data: bytes, *, source: str = "the witness policy") -> 
     groups: dict[str, PolicyGroup] = {}
     member_of: dict[str, str] = {}  # each name is a member of one group at most (tlog-policy)
     logs: list[tuple[str, Ed25519PublicKey]] = []
+    urls: dict[str, str] = {}  # a witness base URL -> the key name first listed at it
     quorum: tuple[int, str] | None = None
 
     def fail(lineno: int, problem: str, fix: str) -> WitnessPolicyError:
@@ -379,8 +405,10 @@ def parse_witness_policy(data: bytes, *, source: str = "the witness policy") -> 
         bad = next((ch for ch in raw if (ord(ch) < 0x20 and ch != "\t") or ord(ch) == 0x7F), None)
         if bad is not None:
             raise fail(lineno, f"the control character U+{ord(bad):04X}", "use only spaces and tabs between items, \\n line ends")
-        line = raw.strip(" \t")
-        if not line or line.startswith("#"):
+        # A comment runs from '#' to the end of the line, on a line of its own or after the items
+        # (transparency-dev's parser strips it so; no vkey, name or http(s) base URL holds '#').
+        line = raw.partition("#")[0].strip(" \t")
+        if not line:
             continue
         keyword, *items = _SEPARATORS.split(line)
         if keyword == "log":
@@ -392,6 +420,9 @@ def parse_witness_policy(data: bytes, *, source: str = "the witness policy") -> 
                 raise fail(lineno, e.message, "use the log's note vkey, e.g. the vkey of GET /v1/log/key") from e
             if any(_raw_public_key(log_key) == _raw_public_key(k) for _, k in logs):
                 raise fail(lineno, f"log {origin!r} repeats a log key listed above", "list each log once")
+            if any(_raw_public_key(log_key) == _raw_public_key(w.public_key) for w in witnesses.values()):
+                raise fail(lineno, f"log {origin!r} has the key of a witness listed above", "a log does not witness itself: "
+                           "list the log's own vkey")
             if len(logs) == MAX_POLICY_LOGS:
                 raise fail(lineno, f"more than {MAX_POLICY_LOGS} logs", f"list at most {MAX_POLICY_LOGS} logs")
             logs.append((origin, log_key))
@@ -403,10 +434,22 @@ def parse_witness_policy(data: bytes, *, source: str = "the witness policy") -> 
                 )
             name = items[0]
             _check_new_name(name, lineno, witnesses, groups, fail)
+            if len(items) == 3 and not _URL.fullmatch(items[2]):
+                raise fail(lineno, f"witness {name!r} URL {items[2][:80]!r} is not an http:// or https:// URL",
+                           "write the witness's base URL, the one its add-checkpoint is below (http[s]://host[:port][/path])")
             try:
-                key = parse_witness_vkey(items[1])
+                key = parse_witness_vkey(items[1], note_key_ok=True)
             except MalformedInputError as e:
                 raise fail(lineno, e.message, "use the witness's vkey, as 'kvgraft witness key' prints it") from e
+            if len(items) == 3:
+                # One base URL is one witness (transparency-dev refuses two key names at one URL too).
+                other = urls.setdefault(items[2], key.name)
+                if other != key.name:
+                    raise fail(lineno, f"witness {name!r} has the URL of witness key {other!r}, another key name",
+                               "give each witness its own URL")
+            if any(_raw_public_key(key.public_key) == _raw_public_key(k) for _, k in logs):
+                raise fail(lineno, f"witness {name!r} has the key of a log listed above", "a log does not witness itself: "
+                           "use the witness's own vkey")
             twin = next((n for n, w in witnesses.items() if w.same_key(key)), None)
             if twin is not None:
                 raise fail(lineno, f"witness {name!r} has the same key as witness {twin!r}", "list each witness key once")
@@ -482,8 +525,8 @@ def parse_witness_policy(data: bytes, *, source: str = "the witness policy") -> 
 def _check_new_name(
     name: str, lineno: int, witnesses: Mapping[str, WitnessKey], groups: Mapping[str, PolicyGroup], fail: _Fail
 ) -> None:
-    if name == "none":
-        raise fail(lineno, "'none' is reserved", "name the witness or group something else")
+    if name in _KEYWORDS:
+        raise fail(lineno, f"{name!r} is a keyword of the policy format", "name the witness or group something else")
     if name in witnesses or name in groups:
         raise fail(lineno, f"the name {name!r} is already defined above", "give every witness and group its own name")
 
