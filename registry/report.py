@@ -107,7 +107,13 @@ def fetch_report(client: RegistryClient, key: RegistryKey, refs: Iterable[str], 
             if digest in fetched:
                 continue  # the same entry asked for twice (by index and by digest, or repeated)
             fetched.add(digest)
-            statement = statement_of(envelope, f"entry {ref}")
+            try:
+                statement = statement_of(envelope, f"entry {ref}")
+            except LocalFilesError as e:
+                # Logged before its registry checked subject names by the one rule, or not a statement.
+                raise LocalFilesError(
+                    e.message, hint="this entry cannot be written into a report folder: name the others with --entry"
+                ) from e
             if statement.predicate_type not in LAYOUT:
                 continue  # a record type audits do not cover
             folder, file_name = LAYOUT[statement.predicate_type]
