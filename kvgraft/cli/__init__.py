@@ -25,11 +25,12 @@ import argparse
 from collections.abc import Sequence
 
 from kvgraft.schemas import KvgraftError
+from kvgraft.verifier.cli import examples_text, walk
 
 from . import engine, flywheel, keys, oms, remote, serve, tiles, witness
 from ._common import CliError, print_failure, print_result, top_parser
 
-__all__ = ["COMMAND_GROUPS", "CliError", "build_parser", "main", "run"]
+__all__ = ["COMMAND_EXAMPLES", "COMMAND_GROUPS", "CliError", "build_parser", "main", "run"]
 
 
 #: ``kvgraft --help`` lists the commands under these headings (every command in exactly one:
@@ -58,6 +59,51 @@ EXAMPLES: tuple[tuple[str, str], ...] = (
 )
 
 
+#: Examples at the end of a command's own ``--help`` (tests/cli/test_help.py parses each one).
+COMMAND_EXAMPLES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
+    ("library", "deposit"): (
+        ("kvgraft library deposit --model smollm2-135m --dataset data/datasets/gsm8k_train.jsonl --limit 8 --library lib",
+         "the first 8 problems whose worked solutions the grader confirms"),
+        ("kvgraft library deposit --model smollm2-135m --dataset data/datasets/aime2025.jsonl --solutions-from-key --library lib",
+         "a dataset without worked solutions: store the key's answers"),
+    ),
+    ("ask",): (
+        ("kvgraft ask --library lib --trust-local-key --question 'How many clips did Natalia sell altogether?'",
+         "answer from a library deposited with this machine's key"),
+        ("kvgraft ask --engine http://127.0.0.1:8000 --question-file q.txt", "ask a running 'kvgraft engine serve'"),
+    ),
+    ("eval",): (
+        ("kvgraft eval --model smollm2-135m --dataset data/datasets/gsm8k_test.jsonl --limit 50 --seed 2025 --out ev",
+         "the base arm: the model alone on 50 problems drawn with seed 2025"),
+        ("kvgraft eval --model smollm2-135m --dataset data/datasets/gsm8k_test.jsonl --limit 50 --seed 2025 --library lib "
+         "--trust-local-key --out ev-lib", "the library arm, on the same problems"),
+    ),
+    ("capture",): (
+        ("kvgraft capture --model smollm2-135m --text-file notes.txt --out art", "a root artifact, signed with the local key"),
+        ("kvgraft capture --model smollm2-135m --text-file more.txt --parent art --trust-local-key --out art2",
+         "a child continuing its parent's positions"),
+    ),
+    ("graft",): (
+        ("kvgraft --json graft --artifact art --text-file question.txt --trusted-keys trusted.json",
+         "its logits_sha256 equals 'kvgraft fresh' on the same texts"),
+    ),
+    ("publish",): (
+        ("kvgraft publish --registry http://127.0.0.1:8000 --registry-key registry-key.pub.pem art",
+         "an artifact (its token in $KVGRAFT_TOKEN), the registry's key pinned"),
+    ),
+    ("pull",): (
+        ("kvgraft pull --registry http://127.0.0.1:8000 --trusted-keys trusted.json --out art2 sha256:1f2e3d4c",
+         "by a unique start of its digest, as git takes"),
+    ),
+}
+
+
+def _add_examples(parser: argparse.ArgumentParser) -> None:
+    for path, sub in walk(parser):
+        if path in COMMAND_EXAMPLES:
+            sub.epilog = examples_text(COMMAND_EXAMPLES[path])
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``kvgraft``: every command sets ``run(args) -> dict`` (see ``_common``)."""
     parser = top_parser(prog="kvgraft", description="Capture, sign, publish and graft KV state: knowledge a frozen "
@@ -66,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     for group in (keys, oms, engine, flywheel, serve, remote, tiles, witness):
         group.add_commands(sub)
     parser.set_command_groups(COMMAND_GROUPS, EXAMPLES)
+    _add_examples(parser)
     return parser
 
 

@@ -186,3 +186,24 @@ def test_regression_progress_is_plain_lines_when_stderr_is_not_a_terminal(tmp_pa
     text = log.read_text()
     assert "\r" not in text and "B/s" not in text
     assert text == "kvgraft: pull art: 1024 bytes\nkvgraft: mirror a -> b: 3 entries\n"
+
+
+def test_every_help_example_parses_and_shows_in_its_help(capsys: pytest.CaptureFixture[str]) -> None:
+    import shlex
+
+    from kvgraft.cli import COMMAND_EXAMPLES, EXAMPLES
+
+    parser = build_parser()
+    helps = {path: p.format_help() for path, p in walk(parser)}
+    examples = [((), line) for line, _ in EXAMPLES] + [(path, line) for path, shown in COMMAND_EXAMPLES.items()
+                                                      for line, _ in shown]
+    assert len(examples) >= 15
+    for path, line in examples:
+        argv = shlex.split(line)
+        assert argv[0] == "kvgraft"
+        try:
+            args = build_parser().parse_args(argv[1:])
+        except SystemExit:
+            pytest.fail(f"example {line!r} does not parse: {capsys.readouterr().err}")
+        assert callable(args.run)
+        assert path in helps and f"  {line}\n" in helps[path], (path, line)
