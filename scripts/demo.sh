@@ -119,7 +119,7 @@ refused env -u KVGRAFT_TRUSTED_KEYS KVGRAFT_HOME="$OUT/empty-home" "$BIN/kvgraft
 step "10. Start a registry (DuckDB file + local blob store) on 127.0.0.1 and publish the artifact"
 PORT=$("$BIN/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 REG="http://127.0.0.1:$PORT"
-"$BIN/kvgraft" serve --data "$OUT/registry" --host 127.0.0.1 --port "$PORT" --log-level warning &
+"$BIN/kvgraft" serve --data "$OUT/registry" --init --host 127.0.0.1 --port "$PORT" --log-level warning &
 SERVER=$!
 trap 'kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true' EXIT
 "$BIN/python" - "$REG" <<'PY'
