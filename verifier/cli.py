@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvgraft.schemas import (
     MODEL_SIG_FILE,
@@ -343,7 +343,10 @@ def build_parser() -> ToolParser:
         description="Verify kvgraft artifacts, records and Sigstore bundles offline, without the engine.",
         version=_version(),
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Its parsers are VerifyParsers (add_subparsers uses the parent's class); the helpers that add
+    # subcommands take any ArgumentParser's.
+    sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]",
+               parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
 
     env = sub.add_parser("envelope", help="verify a DSSE envelope against trusted keys (and its subjects)")
     env.add_argument("envelope", type=Path, help="the .dsse.json envelope")
