@@ -426,8 +426,19 @@ def _convert(spec: ModelSpec, progress: bool) -> None:
     final = cache_dir(spec)
     if progress:
         sys.stderr.write(f"kvgraft: converting {spec.name} from {gguf.name} once (20-90 s; minutes for a 1B+ model); cached in {final}\n")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    from transformers.utils import logging as hf_logging
+
+    # transformers' conversion bars only on a terminal: in a log they leave carriage-return residue
+    # (the line above says what runs).
+    bars = hf_logging.is_progress_bar_enabled()
+    if bars and not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     if model.config.model_type != _MODEL_TYPES[spec.architecture]:
         # The engine's per-architecture code (sliding windows, RoPE bases) follows the spec.
         raise ModelFileError(f"{gguf} converts to a {model.config.model_type!r} model, but {spec.name} is registered as {spec.architecture!r}",
