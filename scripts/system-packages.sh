@@ -14,6 +14,9 @@
 #                 their PostgreSQL backend, start a real server (initdb, pg_ctl and postgres from
 #                 /usr/lib/postgresql/<version>/bin) on a data directory of their own and a free
 #                 loopback port, as the package's postgres user when run as root (tests/registry/postgres.py)
+#   cmake, ninja-build, build-essential
+#                 test and demo: scripts/setup_llama_cpp.sh builds llama.cpp (the llamacpp-cpu
+#                 profile's engine and llama-server) from llama-cpp-python's pinned sdist
 #   python3-venv  test and demo: `python3 -m venv` (the Makefile's .venv, and the verifier-only
 #                 venv that tests/verifier/test_standalone_install.py builds) needs ensurepip
 #
@@ -32,6 +35,9 @@ if [ "$FOR" = test ]; then
   [ -d /usr/share/gocode/src/golang.org/x/mod/sumdb/tlog ] || missing+=(golang-golang-x-mod-dev)
   compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql)
 fi
+command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+command -v ninja >/dev/null 2>&1 || missing+=(ninja-build)
+{ command -v cc && command -v c++ && command -v make; } >/dev/null 2>&1 || missing+=(build-essential)
 # Only Debian's own interpreter is mended by python3-venv; another one (pyenv, a missing one) is left be.
 py="$(command -v "$PYTHON" 2>/dev/null || true)"
 if [ -n "$py" ] && ! "$py" -c "import ensurepip, venv" >/dev/null 2>&1; then

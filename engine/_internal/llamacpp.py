@@ -149,13 +149,16 @@ def build_fingerprint() -> str:
     library the bindings load (sorted by name), the build tag, and ggml's system info."""
     llama_cpp = lib()
     folder = Path(llama_cpp.__file__).parent / "lib"
-    libs = sorted(p for p in folder.iterdir() if ".so" in p.name and p.is_file() and not p.is_symlink())
+    # The libraries the bindings load (libllama and ggml's); the server's own beside them are not.
+    libs = sorted(p for p in folder.iterdir() if p.name.startswith(("libllama.so", "libggml")) and p.is_file() and not p.is_symlink())
     digest = hashlib.sha256()
     for p in libs:
         digest.update(p.name.encode() + b"\0" + hashlib.sha256(p.read_bytes()).digest())
     tag = (folder / "kvgraft-build").read_text().strip() if (folder / "kvgraft-build").is_file() else "unknown"
+    # llama.cpp's version and commit as its build recorded them (setup_llama_cpp.sh writes llama-server --version's line).
+    version = (folder / "kvgraft-llama-version").read_text().strip() if (folder / "kvgraft-llama-version").is_file() else "unknown"
     info = " ".join(llama_cpp.llama_print_system_info().decode().split())
-    return (f"llama-cpp-python={llama_cpp.__version__}; build={tag}; libs-sha256={digest.hexdigest()}; "
+    return (f"llama-cpp-python={llama_cpp.__version__}; llama.cpp={version}; build={tag}; libs-sha256={digest.hexdigest()}; "
             f"state={STATE_FORMAT}; {info}")
 
 
@@ -348,7 +351,10 @@ class LlamaCppModel:
         self.tokenizer = LlamaCppTokenizer(vocab, str(spec.gguf_sha256))
         self.tokenizer_digest = self.tokenizer.digest
         self.vocab_size = self.tokenizer.vocab_size
-        self.n_caches = 2 if llama_cpp.llama_model_n_swa(self._model) > 0 else 1
+        swa = int(llama_cpp.llama_model_n_swa(self._model))
+        #: The sliding window of the model's local layers, if it has any (Gemma 3's).
+        self.sliding_window: int | None = swa if swa > 0 else None
+        self.n_caches = 2 if swa > 0 else 1
         self.ref = ModelRef(name=spec.name, weights_digest=Sha256Digest("sha256:" + str(spec.gguf_sha256)),
                             config_digest=sha256_bytes(canonical_json(self._metadata())))
         self._free = list(range(settings.n_seq_max))
