@@ -75,7 +75,18 @@ from ._internal.models import (
     locate_gguf,
     spec_for,
 )
-from ._internal.ops import AnyModel, Continuation, capture, fresh, generate, graft, load_model_for, read_text
+from ._internal.ops import (
+    GREEDY,
+    AnyModel,
+    Continuation,
+    Sampling,
+    capture,
+    fresh,
+    generate,
+    graft,
+    load_model_for,
+    read_text,
+)
 from ._internal.profiles import (
     DEFAULT_PROFILE,
     ISA_LEVELS,
@@ -106,7 +117,7 @@ __all__ = [
     "TRUSTED_KEYS_ENV", "Trust", "TrustOptionsError", "UnsafeTensorError", "home_trusted_keys_path",
     "local_public_key_path", "read_statement", "resolve_trust", "trust_signer",
     "EvaluationError", "KernelError", "LibraryError", "PROFILE_ALIASES", "ScheduleError", "prefill", "single_pass",
-    "Answer", "ArtifactError", "Captured", "Hit", "Library", "Continuation", "DEFAULT_PROFILE", "EngineError", "InputTextError", "KVState",
+    "Answer", "GREEDY", "Sampling", "ArtifactError", "Captured", "Hit", "Library", "Continuation", "DEFAULT_PROFILE", "EngineError", "InputTextError", "KVState",
     "KV_FILE", "KvFileError", "LoadedArtifact", "LoadedModel", "MODELS", "ModelFileError", "ModelNotInstalledError",
     "ModelSpec", "PROFILES", "ProfileMismatchError", "STATEMENT_FILE", "Segment", "UnknownModelError", "UnknownProfileError", "applied",
     "cache_dir", "capture", "chain_key", "current_profile", "deserialize", "ensure_cached", "ensure_local_key",

@@ -35,10 +35,13 @@ from ._internal.documents import (
 )
 from ._internal.dsse import IN_TOTO_PAYLOAD_TYPE, Envelope, Signature
 from ._internal.engine_wire import (
+    MAX_CHOICES,
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
+    MAX_SEED,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
     MAX_TEXT_CHARS,
     MAX_TOKENS_LIMIT,
     AnswerKind,
@@ -191,7 +194,7 @@ __all__ = [
     "MAX_CONTENT_PARTS", "MAX_MESSAGES", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_TEXT_CHARS", "MAX_TOKENS_LIMIT",
     "AssistantMessage", "ChatChoice", "ChatChunkChoice", "ChatCompletion", "ChatCompletionChunk", "ChatCompletionRequest",
     "ChatDelta", "ChatMessage", "Completion", "CompletionChoice", "CompletionRequest", "EngineRequest", "EngineWire",
-    "ErrorBody", "ErrorDetail", "AnswerKind", "AnswerMethod", "FinishReason", "ModelCard", "ModelList", "Provenance", "StreamOptions", "TextPart", "Usage",
+    "ErrorBody", "ErrorDetail", "MAX_CHOICES", "MAX_SEED", "MAX_TEMPERATURE", "AnswerKind", "AnswerMethod", "FinishReason", "ModelCard", "ModelList", "Provenance", "StreamOptions", "TextPart", "Usage",
     "CHECKPOINT_FILE", "EXPECTED_OUTPUTS_FILE", "KV_FILE", "LIBRARY_ENTRIES_DIR", "LIBRARY_FILE", "LIBRARY_INDEX_FILE",
     "LIBRARY_PREFIX_DIR", "LOG_PROOF_FILE", "LOGITS_DIR", "MAX_SUBJECT_DEPTH", "MAX_SUBJECT_NAME_BYTES", "MAX_SUBJECT_PART_BYTES", "MODEL_SIG_FILE", "OUTPUTS_FILE", "RECORD_FILE", "REGISTRY_KEY_FILE", "REPORT_DATASETS_DIR", "REPORT_FOLDERS", "STATEMENT_FILE", "SUMMARY_FILE",
     "TRUSTED_KEYS_FILE", "DirectoryExistsError", "StagedDirectory", "artifact_candidates", "chain_key", "check_subject_name", "check_subject_names",

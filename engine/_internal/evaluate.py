@@ -68,7 +68,7 @@ from kvgraft.verifier import (
 from .errors import EvaluationError
 from .library import INSTRUCTION, EnergyMeter, Hit, Library, problem_hash, question_text, stop_after_boxed
 from .models import LoadedModel
-from .ops import Decoded, DecodeJob, continue_from, decode_batch
+from .ops import GREEDY, Decoded, DecodeJob, Sampling, continue_from, decode_batch
 
 
 def select(dataset: Dataset, limit: int | None, seed: int | None) -> list[int]:
@@ -246,6 +246,7 @@ def run_eval(
     batch: int = 1,
     passphrase: bytes | None = None,
     on_item: Callable[[int, int, EvaluationItem], None] | None = None,
+    sampling: Sampling = GREEDY,
 ) -> EvalRun:
     """Evaluate ``model`` on ``dataset_path`` and write the signed record.
 
@@ -259,6 +260,11 @@ def run_eval(
     one at a time, as every evaluation before did. Finished items are journaled in
     ``journal_path(out)``: the same command run again resumes there; the journal is removed
     once the record is written.
+
+    ``sampling``: greedy by default (exact, and what every evaluation before ran). Sampled,
+    problem ``doc_id`` is decoded with ``sampling.offset(doc_id)`` (seed + doc id), so an item's
+    answer does not depend on which others ran, in what order or batch; the record's settings
+    hold ``temperature``, ``top_p`` and ``sample_seed``.
     """
     if max_new_tokens < 1:
         raise EvaluationError(f"--max-new-tokens {max_new_tokens} is not positive", hint="e.g. --max-new-tokens 256")
@@ -289,6 +295,9 @@ def run_eval(
         "library_entries": len(library.entries) if library is not None else None,
         "library_entry_fixed": fixed_entry,
     }
+    if not sampling.greedy:
+        # Only a sampled run says so: a greedy run's settings (and journal) are what they always were.
+        settings.update({"temperature": sampling.temperature, "top_p": sampling.top_p, "sample_seed": sampling.seed})
     if mode == "library" and library is not None:
         # Below it a similar entry is not grafted (the model answers unassisted): part of the run.
         settings["graft_threshold"] = library.graft_threshold
@@ -298,7 +307,7 @@ def run_eval(
     })
     try:
         _answer_all(model, profile, dataset, [i for i in doc_ids if i not in journal.done], journal, library, fixed,
-                    max_new_tokens, batch, on_item, len(doc_ids))
+                    max_new_tokens, batch, on_item, len(doc_ids), sampling)
     finally:
         journal.close()
     done = [journal.done[i] for i in doc_ids]
@@ -361,21 +370,22 @@ def _item(dataset: Dataset, d: _Done) -> EvaluationItem:
 
 
 def _question(model: LoadedModel, dataset: Dataset, doc_id: int, library: Library | None, fixed: Hit | None,
-              max_new_tokens: int) -> _Question:
+              max_new_tokens: int, sampling: Sampling) -> _Question:
     question = dataset.question(doc_id)
+    sampling = sampling.offset(doc_id)
     if library is None:
         prompt = INSTRUCTION + question_text(question)
         ids = model.tokenizer.encode(prompt, first=True)
         # From an empty state, decoded as Library.ask decodes (EOS ends the output, not part of it).
-        job = DecodeJob(None, ids, max_new_tokens, keep_eos=False, stop=stop_after_boxed)
+        job = DecodeJob(None, ids, max_new_tokens, keep_eos=False, stop=stop_after_boxed, sampling=sampling)
         return _Question(doc_id, prompt, job, "", None)
     plan = library.plan(question, fixed or library.lookup(question), max_new_tokens=max_new_tokens)
-    return _Question(doc_id, plan.prompt, plan.job(), plan.head, plan.hit.entry.artifact if plan.hit else None)
+    return _Question(doc_id, plan.prompt, plan.job(sampling=sampling), plan.head, plan.hit.entry.artifact if plan.hit else None)
 
 
 def _answer_all(model: LoadedModel, profile: DeterminismProfile, dataset: Dataset, doc_ids: list[int], journal: _Journal,
                 library: Library | None, fixed: Hit | None, max_new_tokens: int, batch: int,
-                on_item: Callable[[int, int, EvaluationItem], None] | None, total: int) -> None:
+                on_item: Callable[[int, int, EvaluationItem], None] | None, total: int, sampling: Sampling) -> None:
     """Answer ``doc_ids`` (one at a time, or ``batch`` per forward pass) into ``journal``."""
     meter = EnergyMeter(sum(p.numel() for p in model.module.parameters()))
     clock = [time.perf_counter()]
@@ -396,17 +406,17 @@ def _answer_all(model: LoadedModel, profile: DeterminismProfile, dataset: Datase
 
     if batch == 1:
         for doc_id in doc_ids:
-            q = _question(model, dataset, doc_id, library, fixed, max_new_tokens)
+            q = _question(model, dataset, doc_id, library, fixed, max_new_tokens, sampling)
             j = q.job
             finish(q, continue_from(model, profile, j.artifact, j.suffix_ids, max_new_tokens=j.max_new_tokens,
-                                    keep_eos=j.keep_eos, stop=j.stop))
+                                    keep_eos=j.keep_eos, stop=j.stop, sampling=j.sampling))
         return
     questions: list[_Question] = []
 
     def jobs() -> Iterator[DecodeJob]:
         # Set up lazily, as rows free up: an entry's artifact is loaded (and verified) only then.
         for doc_id in doc_ids:
-            questions.append(_question(model, dataset, doc_id, library, fixed, max_new_tokens))
+            questions.append(_question(model, dataset, doc_id, library, fixed, max_new_tokens, sampling))
             yield questions[-1].job
 
     decode_batch(model, profile, jobs(), batch=batch, on_done=lambda i, decoded: finish(questions[i], decoded))
@@ -463,6 +473,8 @@ def eval_command(statement: EvaluationStatement, dataset_path: Path, library: Pa
         cmd += ["--graft-threshold", str(s.get("graft_threshold", 0.0))]
     if s.get("batch", 1) != 1:
         cmd += ["--batch", str(s["batch"])]
+    if s.get("sample_seed") is not None:
+        cmd += ["--temperature", str(s["temperature"]), "--top-p", str(s["top_p"]), "--sample-seed", str(s["sample_seed"])]
     return cmd
 
 

@@ -65,7 +65,7 @@ from kvgraft.verifier import Dataset, TrustedKeys, extract_answer, grade, write_
 from .artifacts import LoadedArtifact, load_artifact
 from .errors import ContextWindowError, InputTextError, LibraryError, NoTrustedKeysError
 from .models import LoadedModel
-from .ops import Decoded, DecodeJob, capture, continue_from
+from .ops import GREEDY, Decoded, DecodeJob, Sampling, capture, continue_from
 from .profiles import PROFILE_ALIASES
 from .trust import trust_signer
 
@@ -427,10 +427,12 @@ class Plan:
         """What the answer will be (``answer_kind``)."""
         return answer_kind(self.hit)
 
-    def job(self, stop: Callable[[str], bool] | None = None) -> DecodeJob:
+    def job(self, stop: Callable[[str], bool] | None = None, sampling: Sampling = GREEDY) -> DecodeJob:
         """The decoding to run, ``stop`` (on the answer's text) OR-ed with the plan's own rule.
-        EOS ends the answer and is not part of it (nor counted in decode_tokens)."""
-        return DecodeJob(self.artifact, self.ids, self.budget, keep_eos=False, stop=_stop_rule(self.own, stop, self.head))
+        EOS ends the answer and is not part of it (nor counted in decode_tokens). A recall is
+        decoded greedily whatever ``sampling`` says: its answer is the verified one."""
+        return DecodeJob(self.artifact, self.ids, self.budget, keep_eos=False, stop=_stop_rule(self.own, stop, self.head),
+                         sampling=GREEDY if self.kind == "recalled" else sampling)
 
     def output(self, decoded: Decoded) -> str:
         """The answer's text: a recall's output is its answer box, the prompt's opening brace
@@ -445,7 +447,7 @@ class Plan:
         return decoded.stopped_by == "eos" or (decoded.stopped_by == "stop" and self.own(decoded.text))
 
     def answer(self, decoded: Decoded, *, seconds: float, energy_joules: float, energy_method: str,
-               seed: int | None = None) -> Answer:
+               sampling: Sampling = GREEDY) -> Answer:
         """The ``Answer`` of this plan decoded. A recall answers the entry's verified answer (its
         signed text states it; ``Library.load_entry`` checked that against the index), whatever
         the model restated; any other answer is extracted from the decoded text, and only from a
@@ -465,7 +467,8 @@ class Plan:
             prompt_tokens=len(self.ids), decode_tokens=len(decoded.tokens),
             context_tokens=self.artifact.statement.predicate.positions.end + len(self.ids),
             seconds=seconds, energy_joules=energy_joules, energy_method=energy_method,
-            signature=self.artifact.signature, stopped_by=decoded.stopped_by, seed=seed,
+            signature=self.artifact.signature, stopped_by=decoded.stopped_by,
+            seed=None if kind == "recalled" or sampling.greedy else sampling.seed,
         )
 
 
@@ -474,8 +477,8 @@ NOTHING_GRAFTED = "none (nothing grafted)"
 
 
 def ask_model(model: LoadedModel, profile: DeterminismProfile, question: str, *, max_new_tokens: int = 256,
-              stop: Callable[[str], bool] | None = None) -> Answer:
-    """The model's own greedy answer to ``question``, with no library: the question's tokens
+              stop: Callable[[str], bool] | None = None, sampling: Sampling = GREEDY) -> Answer:
+    """The model's own answer to ``question`` (greedy unless ``sampling``), with no library: the question's tokens
     (after BOS) on an empty state, decoded until EOS, ``max_new_tokens`` or ``stop`` (called
     after every token with the text so far). Kind ``unassisted``, method ``none``, no entry, no
     extracted answer (there is no dataset kind to read one by), signature ``NOTHING_GRAFTED``;
@@ -487,14 +490,15 @@ def ask_model(model: LoadedModel, profile: DeterminismProfile, question: str, *,
     if not ids:
         raise InputTextError("the question tokenizes to no tokens", hint="ask a question with some text")
     _check_window(model, 0, ids)
-    decoded = continue_from(model, profile, None, ids, max_new_tokens=max_new_tokens, keep_eos=False, stop=stop)
+    decoded = continue_from(model, profile, None, ids, max_new_tokens=max_new_tokens, keep_eos=False, stop=stop,
+                            sampling=sampling)
     joules, method = energy.stop(len(ids) + len(decoded.tokens))
     return Answer(
         question=question, kind="unassisted", finished=decoded.stopped_by == "eos", answer=None, text=decoded.text,
         prompt=question, entry=None, method="none", score=0.0,
         prompt_tokens=len(ids), decode_tokens=len(decoded.tokens), context_tokens=len(ids),
         seconds=time.perf_counter() - t0, energy_joules=joules, energy_method=method, signature=NOTHING_GRAFTED,
-        stopped_by=decoded.stopped_by,
+        stopped_by=decoded.stopped_by, seed=None if sampling.greedy else sampling.seed,
     )
 
 
@@ -704,7 +708,7 @@ class Library:
         return art
 
     def ask(self, question: str, *, max_new_tokens: int = 256, use_similar: bool = True,
-            stop: Callable[[str], bool] | None = None) -> Answer:
+            stop: Callable[[str], bool] | None = None, sampling: Sampling = GREEDY) -> Answer:
         """Answer ``question`` from the library: recall for a deposited problem (``recalled``), a
         grafted worked example for a new one similar enough (``assisted``), or the instruction
         prefix alone (``unassisted``: no entry at or above ``graft_threshold``).
@@ -712,25 +716,28 @@ class Library:
         ``stop``: called after every decoded token with the answer's text so far (what
         ``Answer.text`` would be: a recall's opening ``\\boxed{`` included); true ends decoding,
         as the library's own rule does (the two are OR-ed). The engine server streams, honours
-        stop strings, times out and cancels with it.
+        stop strings, times out and cancels with it. ``sampling``: greedy by default; a recall
+        is always greedy (its answer is the verified one).
         """
         hit = self.lookup(question)
         if hit is not None and hit.method == "similar" and not use_similar:
             hit = None
-        return self.answer(question, hit, max_new_tokens=max_new_tokens, stop=stop)
+        return self.answer(question, hit, max_new_tokens=max_new_tokens, stop=stop, sampling=sampling)
 
     def answer(self, question: str, hit: Hit | None, *, max_new_tokens: int = 256,
-               stop: Callable[[str], bool] | None = None) -> Answer:
+               stop: Callable[[str], bool] | None = None, sampling: Sampling = GREEDY) -> Answer:
         """Answer ``question`` with ``hit`` (found by this library's ``lookup``, or None for the
-        instruction prefix alone); ``ask`` is ``lookup`` then this. ``stop`` as for ``ask``."""
+        instruction prefix alone); ``ask`` is ``lookup`` then this. ``stop`` and ``sampling`` as
+        for ``ask``."""
         t0 = time.perf_counter()
         self._energy.start()
         plan = self.plan(question, hit, max_new_tokens=max_new_tokens)
-        job = plan.job(stop)
+        job = plan.job(stop, sampling)
         decoded = continue_from(self.model, self.profile, job.artifact, job.suffix_ids, max_new_tokens=job.max_new_tokens,
-                                keep_eos=job.keep_eos, stop=job.stop)
+                                keep_eos=job.keep_eos, stop=job.stop, sampling=job.sampling)
         joules, method = self._energy.stop(len(plan.ids) + len(decoded.tokens))
-        return plan.answer(decoded, seconds=time.perf_counter() - t0, energy_joules=joules, energy_method=method)
+        return plan.answer(decoded, seconds=time.perf_counter() - t0, energy_joules=joules, energy_method=method,
+                           sampling=job.sampling)
 
     def plan(self, question: str, hit: Hit | None, *, max_new_tokens: int = 256) -> Plan:
         """What answering ``question`` with ``hit`` runs, before anything runs: the artifact

@@ -9,7 +9,8 @@ Every decode goes one way: ``continue_from`` restores an artifact's chain into a
 logits to ``greedy_decode``, the one decode loop of a single sequence (``generate``,
 ``Library.ask`` and ``run_eval`` use it). ``decode_batch`` decodes many sequences per forward
 pass for evaluations; both follow ``DecodeRule``, the one rule of what a step keeps and when it
-ends.
+ends. A step's token is the row's argmax (greedy, the default, exact) or, with ``Sampling``, a
+draw reproducible from its seed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from kvgraft.schemas import DeterminismProfile
+from kvgraft.schemas import MAX_SEED, MAX_TEMPERATURE, DeterminismProfile
 
 from .artifacts import Captured, LoadedArtifact, logits_digest, write_artifact
 from .errors import InputTextError
@@ -185,6 +186,72 @@ def fresh(model: AnyModel, profile: DeterminismProfile, prefix: str, text: str) 
         return Continuation(logits, len(state.token_ids) - len(ids), ids, time.perf_counter() - t0, t1 - t0)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How ``DecodeRule`` picks each token from a logits row.
+
+    ``temperature`` 0 (the default, ``GREEDY``) is greedy: the row's argmax, the lowest id on a
+    tie, exact and reproducible with no seed. Above 0 the token is drawn from
+    ``softmax(row / temperature)`` computed in float64 on the CPU, kept to the smallest set of
+    most probable tokens whose probability reaches ``top_p`` (nucleus sampling; 1 keeps all;
+    ties in probability ordered by id), with a ``torch.Generator`` seeded with ``seed`` and
+    drawn from once per token: the same logits and seed give the same tokens on any machine
+    torch runs on. Sampling needs a seed: the caller picks one (a server draws a random one) and
+    reports it, so every sampled answer can be drawn again.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InputTextError(f"temperature {self.temperature} is not between 0 and {MAX_TEMPERATURE:g}",
+                                 hint="pass 0 for greedy decoding, or up to 2")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InputTextError(f"top_p {self.top_p} is not above 0 and at most 1", hint="pass 1 to keep every token")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise InputTextError(f"seed {self.seed} is not between 0 and 2**63 - 1", hint="pass a non-negative integer")
+        if not self.greedy and self.seed is None:
+            raise InputTextError(f"sampling at temperature {self.temperature:g} needs a seed, to be drawn again",
+                                 hint="pass a seed")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether tokens are the argmax (temperature 0): ``top_p`` and ``seed`` play no part then."""
+        return self.temperature == 0.0
+
+    def offset(self, n: int) -> Sampling:
+        """The sampling of the ``n``-th of several draws (an evaluation's problem, a request's
+        choice): the same, with ``seed + n`` (wrapped into the seed range); greedy stays greedy."""
+        if self.greedy or self.seed is None:
+            return self
+        return Sampling(self.temperature, self.top_p, (self.seed + n) % (MAX_SEED + 1))
+
+    def chooser(self) -> Callable[[torch.Tensor], int]:
+        """A function from a logits row to the next token, with its own generator (one per sequence)."""
+        if self.greedy or self.seed is None:
+            return lambda row: int(row.argmax())
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(self.seed)
+        temperature, top_p = self.temperature, self.top_p
+
+        def choose(row: torch.Tensor) -> int:
+            probs = torch.softmax(row.detach().to("cpu", torch.float64) / temperature, dim=-1)
+            if top_p >= 1.0:
+                return int(torch.multinomial(probs, 1, generator=generator))
+            ordered, order = torch.sort(probs, descending=True, stable=True)
+            # Keep a token while the mass before it is below top_p: the first always stays.
+            kept = torch.where(torch.cumsum(ordered, 0) - ordered < top_p, ordered, torch.zeros_like(ordered))
+            return int(order[torch.multinomial(kept, 1, generator=generator)])
+
+        return choose
+
+
+#: Greedy decoding: the default everywhere, for exactness.
+GREEDY = Sampling()
+
+
 #: Why ``greedy_decode`` ended: the model's EOS, the caller's ``stop``, the model's window, or the budget.
 StopReason = Literal["eos", "stop", "window", "max_new_tokens"]
 
@@ -207,7 +274,8 @@ class DecodeRule:
     ``next(row)`` takes the logits of the last position run (float32 ``[vocab]``) and, in this
     order:
 
-    1. the next token is ``argmax`` of the row (the lowest id on a tie);
+    1. the next token is ``argmax`` of the row (the lowest id on a tie), or with a non-greedy
+       ``sampling`` a draw from it (``Sampling``; each rule has its own seeded generator);
     2. the tokenizer's EOS ends decoding (``stopped_by="eos"``); it is among the returned tokens
        only when ``keep_eos`` (``generate`` reports it; the library and evaluations count only
        the text's tokens);
@@ -223,8 +291,9 @@ class DecodeRule:
     """
 
     def __init__(self, model: AnyModel, end: int, *, max_new_tokens: int, keep_eos: bool,
-                 stop: Callable[[str], bool] | None = None) -> None:
+                 stop: Callable[[str], bool] | None = None, sampling: Sampling = GREEDY) -> None:
         self.model = model
+        self._choose = sampling.chooser()
         #: The position the next token runs at (the sequence's length so far).
         self.end = end
         self.max_new_tokens = max_new_tokens
@@ -238,7 +307,7 @@ class DecodeRule:
         """The token to run next at position ``end``, or None when decoding has ended (see the class)."""
         if self.stopped_by is not None:
             return None
-        nxt = int(row.argmax())
+        nxt = self._choose(row)
         if nxt == self.model.tokenizer.eos_token_id:
             if self.keep_eos:
                 self.tokens.append(nxt)
@@ -270,11 +339,14 @@ def greedy_decode(
     max_new_tokens: int,
     keep_eos: bool,
     stop: Callable[[str], bool] | None = None,
+    sampling: Sampling = GREEDY,
 ) -> Decoded:
-    """Greedy decoding on ``state`` from ``logits`` (float32 ``[n, vocab]``; row ``-1`` is the
-    last position run), by ``DecodeRule``, each kept token run through ``state.extend``. Call it
+    """Decoding on ``state`` from ``logits`` (float32 ``[n, vocab]``; row ``-1`` is the last
+    position run), by ``DecodeRule``, each kept token run through ``state.extend``: the engine's
+    one decode loop of a single sequence, greedy unless ``sampling`` says otherwise. Call it
     under the profile's ``applied`` (``continue_from`` does), as every forward pass runs."""
-    rule = DecodeRule(state.model, state.end, max_new_tokens=max_new_tokens, keep_eos=keep_eos, stop=stop)
+    rule = DecodeRule(state.model, state.end, max_new_tokens=max_new_tokens, keep_eos=keep_eos, stop=stop,
+                      sampling=sampling)
     while (nxt := rule.next(logits[-1])) is not None:
         logits = state.extend([nxt])  # [1, vocab]
     return rule.decoded()
@@ -289,6 +361,7 @@ class DecodeJob:
     max_new_tokens: int
     keep_eos: bool
     stop: Callable[[str], bool] | None = None
+    sampling: Sampling = GREEDY
 
 
 def decode_batch(
@@ -334,7 +407,8 @@ def decode_batch(
                 i, job = nxt_job
                 state = new_state(model) if job.artifact is None else restored(model, job.artifact.segments())
                 logits = state.extend(job.suffix_ids, keep_last=1)  # [1, vocab]
-                rule = DecodeRule(model, state.end, max_new_tokens=job.max_new_tokens, keep_eos=job.keep_eos, stop=job.stop)
+                rule = DecodeRule(model, state.end, max_new_tokens=job.max_new_tokens, keep_eos=job.keep_eos, stop=job.stop,
+                                  sampling=job.sampling)
                 first = rule.next(logits[-1])
                 if first is None:
                     on_done(i, rule.decoded())
@@ -370,10 +444,11 @@ def continue_from(
     keep_eos: bool,
     stop: Callable[[str], bool] | None = None,
     keep_last: int | None = 1,
+    sampling: Sampling = GREEDY,
 ) -> Decoded:
     """Restore ``artifact``'s chain at its own positions (``None``: an empty state), run
     ``suffix_ids`` after it in one ``KVState.extend``, then ``greedy_decode`` (see there for
-    ``max_new_tokens``, ``keep_eos`` and ``stop``), all under ``profile``.
+    ``max_new_tokens``, ``keep_eos``, ``stop`` and ``sampling``), all under ``profile``.
 
     ``keep_last``: how many of the suffix's logits rows the lm head computes (``KVState.extend``);
     decoding reads only the last, and ``None`` (every row) is what ``generate`` has always run.
@@ -381,7 +456,7 @@ def continue_from(
     with applied(profile):
         state = new_state(model) if artifact is None else restored(model, artifact.segments())
         logits = state.extend(suffix_ids, keep_last=keep_last)  # [keep_last or len(suffix_ids), vocab]
-        return greedy_decode(state, logits, max_new_tokens=max_new_tokens, keep_eos=keep_eos, stop=stop)
+        return greedy_decode(state, logits, max_new_tokens=max_new_tokens, keep_eos=keep_eos, stop=stop, sampling=sampling)
 
 
 def generate(

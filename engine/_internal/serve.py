@@ -32,6 +32,9 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS = 256
 #: Request heads (request line and headers) past this many bytes are refused by the HTTP parser.
 MAX_HEADER_BYTES = 32 * 1024
+#: The sum of ``max_tokens`` one client's requests may hold at once (running and waiting): one
+#: request of the largest budget (``MAX_TOKENS_LIMIT``).
+DEFAULT_MAX_CLIENT_TOKENS = 1 << 16
 #: The log every part of the server writes to.
 LOGGER = "kvgraft.engine.serve"
 
@@ -42,12 +45,28 @@ class ServeSettings:
     wait; a request finding the queue full is answered 429). ``request_timeout``: seconds from a
     request's arrival to its last token (504, or a failed stream, past it). ``max_body_bytes``:
     the largest request body (413 past it). ``default_max_tokens``: the budget of a request
-    giving no ``max_tokens``."""
+    giving no ``max_tokens``.
+
+    Per-client fairness (issue 37): one client (its remote address) may hold at most
+    ``max_client_requests`` requests at once, running or waiting (None: half the server's
+    places, ``(max_queue + 1) // 2``, at least 1), and at most ``max_client_tokens`` of
+    ``max_tokens`` summed over them; past either it is answered 429 ``client_quota`` while the
+    other places stay free for everyone else. The key is the address, not a bearer token: the
+    server checks no tokens, so a token would be an identity any client could make up anew."""
 
     max_queue: int = DEFAULT_MAX_QUEUE
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_client_requests: int | None = None
+    max_client_tokens: int = DEFAULT_MAX_CLIENT_TOKENS
+
+    @property
+    def client_requests(self) -> int:
+        """The requests one client may hold at once (``max_client_requests``, or half the places)."""
+        if self.max_client_requests is not None:
+            return self.max_client_requests
+        return max(1, (self.max_queue + 1) // 2)
 
     def check(self) -> None:
         """Refuse limits that cannot work (``EngineServerConfigError``)."""
@@ -62,6 +81,14 @@ class ServeSettings:
                                           hint="pass --max-body-bytes 1048576")
         if self.default_max_tokens < 1:
             raise EngineServerConfigError("the default max_tokens must be at least 1")
+        if self.max_client_requests is not None and not 1 <= self.max_client_requests <= self.max_queue + 1:
+            raise EngineServerConfigError(
+                f"a client's share of {self.max_client_requests} requests is not between 1 and the server's "
+                f"{self.max_queue + 1} places (--max-queue {self.max_queue} waiting, one running)",
+                hint="leave it out: a client may hold half the places")
+        if not 1 <= self.max_client_tokens <= 1 << 30:
+            raise EngineServerConfigError(f"a client's share of {self.max_client_tokens} tokens is not between 1 and {1 << 30}",
+                                          hint=f"leave it out: {DEFAULT_MAX_CLIENT_TOKENS}")
 
 
 @dataclass(frozen=True)

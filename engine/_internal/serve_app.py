@@ -4,10 +4,13 @@ bounded queue, and OpenAI-style error bodies (docs/engine-serve.md).
 How a request is answered:
 
 1. the handler reads the body (at most ``max_body_bytes``), parses it into the shared wire model
-   (``kvgraft.schemas``' engine wire) and checks what kvgraft serves (the model id, greedy only,
-   one choice); every refusal is an ``EngineServerError``, whose class fixes the HTTP status;
+   (``kvgraft.schemas``' engine wire) and checks what kvgraft serves (the model id; no tools,
+   response formats or log probabilities; several choices only unstreamed) and how it samples
+   (greedy unless a temperature; a seed drawn when none is sent); every refusal is an
+   ``EngineServerError``, whose class fixes the HTTP status;
 2. it admits a ``_Job`` to the queue: a memory stream holding at most ``max_queue`` jobs while the
-   worker answers one, so a full queue is a 429 at once, never a wait;
+   worker answers one, so a full queue is a 429 at once, never a wait; one client (its address)
+   holds at most its share of the places and tokens (``ServeSettings``), also a 429;
 3. the one worker task (started in the lifespan) takes jobs in order and runs each in a thread
    (``anyio.to_thread``), one at a time, so torch forward passes never overlap: the library lookup
    across every library (``lookup_all``), then ``Library.answer`` (or ``ask_model`` without a
@@ -31,8 +34,8 @@ import math
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -47,6 +50,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from pydantic import BaseModel, ValidationError
 
 from kvgraft.schemas import (
+    MAX_SEED,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -85,6 +89,7 @@ from .errors import (
 )
 from .library import Answer, Library, answer_kind, ask_model, grafted_hit, lookup_all
 from .models import LoadedModel, load_model
+from .ops import GREEDY, Sampling
 from .profiles import current_profile
 from .serve import LOGGER, ServeConfig
 
@@ -119,22 +124,51 @@ class _Served:
     #: Set when the server stops: every decoding still running ends at its next token.
     stopping: bool = False
     running: bool = False
+    #: Each client's (remote address's) requests held now, running or waiting: [requests, max_tokens summed].
+    clients: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.config.model
 
-    def admit(self, job: _Job) -> None:
-        """Put ``job`` in the queue, or refuse it (``QueueFullError``) when every place is taken."""
+    def admit(self, job: _Job, client: str) -> None:
+        """Put ``job`` in the queue for ``client`` (its remote address), or refuse it
+        (``QueueFullError``): ``client_quota`` when the client already holds its share of the
+        server (``ServeSettings.client_requests`` requests, ``max_client_tokens`` tokens),
+        ``queue_full`` when every place is taken. The share is given back when the job finishes
+        (run, skipped or cancelled), however its client left."""
         if self.queue is None or self.stopping:
             raise ServerStoppingError("the server is stopping and takes no new requests")
+        settings = self.config.settings
+        held = self.clients.setdefault(client, [0, 0])
+        if held[0] >= settings.client_requests or held[1] + job.cost > settings.max_client_tokens:
+            if held[0] == 0:
+                del self.clients[client]
+            raise QueueFullError(
+                f"this client ({client[:64]}) already holds {held[0]} requests of {held[1]} max_tokens, running or waiting; "
+                f"one client's share of this server is {settings.client_requests} requests and {settings.max_client_tokens} "
+                "tokens, so that the other places stay free for others",
+                hint="wait for an answer before sending more, or ask for fewer max_tokens", code="client_quota",
+            )
         try:
             self.queue.send_nowait(job)
         except anyio.WouldBlock as e:
-            limit = self.config.settings.max_queue
+            if held[0] == 0:
+                del self.clients[client]
+            limit = settings.max_queue
             raise QueueFullError(
                 f"the server is answering one request and {limit} more are waiting, its limit (--max-queue {limit})"
             ) from e
+        held[0] += 1
+        held[1] += job.cost
+
+        def release() -> None:
+            held[0] -= 1
+            held[1] -= job.cost
+            if held[0] == 0 and self.clients.get(client) is held:
+                del self.clients[client]
+
+        job.on_finish = release
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -165,11 +199,17 @@ class _Job:
     """
 
     def __init__(self, question: str, *, param: str, max_tokens: int, stops: tuple[str, ...], stream: bool,
-                 timeout: float) -> None:
+                 timeout: float, sampling: Sampling = GREEDY, n: int = 1) -> None:
         self.question = question
         #: The request field the question came from (named by a refusal of the question).
         self.param = param
         self.max_tokens = max_tokens
+        #: How tokens are chosen (greedy unless the request sampled), and how many choices: choice
+        #: ``i`` is decoded with ``sampling.offset(i)``.
+        self.sampling = sampling
+        self.n = n
+        #: What a client's share counts for this job: every choice may decode ``max_tokens``.
+        self.cost = max_tokens * n
         self.stops = stops
         self.stream = stream
         self.deadline = time.monotonic() + timeout
@@ -179,6 +219,8 @@ class _Job:
         self.started = anyio.Event()
         self.done = anyio.Event()
         self.answer: Answer | None = None
+        #: Every choice's answer (``answer`` is the first).
+        self.answers: list[Answer] = []
         self.error: EngineServerError | None = None
         self.method = "none"
         self.entry: str | None = None
@@ -188,6 +230,8 @@ class _Job:
         self.sent = ""
         self._first_token = True
         self._served: _Served | None = None
+        #: Called once when the worker is done with this job (``_Served.admit`` gives the client's share back).
+        self.on_finish: Callable[[], None] | None = None
         send, receive = anyio.create_memory_object_stream[str](max_buffer_size=math.inf)
         self._deltas_send: MemoryObjectSendStream[str] = send
         self.deltas: MemoryObjectReceiveStream[str] = receive
@@ -251,10 +295,24 @@ class _Job:
                 self.kind = answer_kind(grafted)
                 if grafted is not None:
                     self.method, self.entry = grafted.method, grafted.entry.artifact
-                self.answer = library.answer(self.question, hit, max_new_tokens=self.max_tokens, stop=self.on_token)
+                lib: Library = library
+
+                def one(sampling: Sampling) -> Answer:
+                    return lib.answer(self.question, hit, max_new_tokens=self.max_tokens, stop=self.on_token, sampling=sampling)
             else:
-                self.answer = ask_model(served.model, served.profile, self.question, max_new_tokens=self.max_tokens,
-                                        stop=self.on_token)
+
+                def one(sampling: Sampling) -> Answer:
+                    return ask_model(served.model, served.profile, self.question, max_new_tokens=self.max_tokens,
+                                     stop=self.on_token, sampling=sampling)
+            for i in range(self.n):
+                if self.answers and (self.sampling.greedy or self.kind == "recalled"):
+                    # Greedy decoding (and a recall) has one answer: every choice is the same.
+                    self.answers.append(self.answers[0])
+                    continue
+                self.answers.append(one(self.sampling.offset(i)))
+                if self.cancelled or self.timed_out:
+                    break
+            self.answer = self.answers[0]
         except ContextWindowError as e:
             self.error = _caused(PromptTooLongError(e.message, hint=e.hint, param=self.param), e)
         except InputTextError as e:
@@ -272,7 +330,11 @@ class _Job:
     # --- on the event loop --------------------------------------------------------------------------
 
     def finish(self) -> None:
-        """The worker is done with this job (run or skipped): close its deltas, wake its handler."""
+        """The worker is done with this job (run or skipped): close its deltas, wake its handler,
+        give its client's share back."""
+        if self.on_finish is not None:
+            release, self.on_finish = self.on_finish, None
+            release()
         self._deltas_send.close()
         self.started.set()
         self.done.set()
@@ -366,19 +428,55 @@ def _parse(model: type[_Model], body: bytes) -> _Model:
                                   param=named[0][0]) from e
 
 
+#: The request fields kvgraft reads only to refuse (400, ``unsupported_parameter``), what each asks
+#: for, and the values that ask for nothing (what a client sends by default), which pass.
+UNSERVED_FIELDS: dict[str, tuple[str, tuple[object, ...]]] = {
+    "tools": ("tool calls", ([],)),
+    "tool_choice": ("tool calls", ("none",)),
+    "functions": ("function calls", ([],)),
+    "function_call": ("function calls", ("none",)),
+    "response_format": ("a structured response format", ({"type": "text"},)),
+    "logprobs": ("log probabilities", (False,)),
+    "top_logprobs": ("log probabilities", (0,)),
+    "logit_bias": ("biased logits", ({},)),
+    "echo": ("the prompt echoed back", (False,)),
+    "suffix": ("text inserted before a suffix", ("",)),
+    "best_of": ("several candidates ranked", (1,)),
+    "presence_penalty": ("penalties on tokens already present", (0, 0.0)),
+    "frequency_penalty": ("penalties on frequent tokens", (0, 0.0)),
+}
+
+
+def _asks_for_nothing(value: object, defaults: tuple[object, ...]) -> bool:
+    # Compared with their types: 0 is not False, so "logprobs": 0 still asks for log probabilities.
+    return value is None or any(type(value) is type(ok) and value == ok for ok in defaults)
+
+
 def _check_sampling(served: _Served, req: ChatCompletionRequest | CompletionRequest) -> None:
+    for name, (what, defaults) in UNSERVED_FIELDS.items():
+        if not _asks_for_nothing(getattr(req, name), defaults):
+            raise InvalidRequestError(
+                f"{name} is not served: kvgraft answers with plain text only, without {what}; "
+                "it refuses the field rather than answer a different request than the one sent",
+                hint=f"leave {name} out", param=name, code="unsupported_parameter",
+            )
     if req.model != served.name:
         raise ModelNotServedError(f"the model {req.model[:80]!r} is not served here; this server serves {served.name!r}",
                                   param="model")
-    if req.temperature not in (None, 0):
-        raise InvalidRequestError(
-            f"temperature {req.temperature:g} is not served: only greedy decoding is (temperature absent or 0), "
-            "because kvgraft's answers are exact and reproducible",
-            hint="leave temperature out, or send 0", param="temperature", code="unsupported_value",
-        )
-    if req.n not in (None, 1):
-        raise InvalidRequestError(f"n {req.n} is not served: greedy decoding has one answer (n absent or 1)",
-                                  hint="leave n out, or send 1", param="n", code="unsupported_value")
+    if (req.n or 1) > 1 and req.stream:
+        raise InvalidRequestError(f"n {req.n} is served only without streaming: a stream carries one choice",
+                                  hint="leave n out (or send 1) to stream, or leave stream out", param="n",
+                                  code="unsupported_value")
+
+
+def _sampling(req: ChatCompletionRequest | CompletionRequest) -> Sampling:
+    """The request's sampling: greedy for temperature absent or 0 (``top_p`` and ``seed`` play no
+    part then); otherwise sampled with ``seed``, or a seed drawn here when none was sent, which
+    the answer reports (``kvgraft.seed``) so that it can be drawn again."""
+    if not req.temperature:
+        return GREEDY
+    seed = req.seed if req.seed is not None else secrets.randbelow(MAX_SEED + 1)
+    return Sampling(req.temperature, req.top_p if req.top_p is not None else 1.0, seed)
 
 
 def _chat_question(req: ChatCompletionRequest) -> tuple[str, str]:
@@ -457,9 +555,10 @@ def _finish_reason(job: _Job, answer: Answer) -> FinishReason:
     return "length"
 
 
-def _usage(answer: Answer) -> Usage:
-    return Usage(prompt_tokens=answer.prompt_tokens, completion_tokens=answer.decode_tokens,
-                 total_tokens=answer.prompt_tokens + answer.decode_tokens)
+def _usage(answers: list[Answer]) -> Usage:
+    """OpenAI's usage of ``answers`` (every choice's): the prompt counted once, the decoded tokens summed."""
+    prompt, completion = answers[0].prompt_tokens, sum(a.decode_tokens for a in answers)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def _json(model: BaseModel, *, status: int = 200, headers: dict[str, str] | None = None) -> Response[bytes]:
@@ -480,28 +579,37 @@ def _provenance_headers(job: _Job) -> dict[str, str]:
     return {"X-Kvgraft-Kind": job.kind, "X-Kvgraft-Method": job.method, "X-Kvgraft-Entry": job.entry or "none"}
 
 
+def _client(request: Request[Any, Any, Any]) -> str:
+    """The key a client's share is kept under: its remote address (``ServeSettings``)."""
+    return request.client.host if request.client is not None else "unknown"
+
+
 async def _answer(request: Request[Any, Any, Any], question: tuple[str, str], req: ChatCompletionRequest | CompletionRequest,
                   max_tokens: int | None, *, chat: bool) -> Response[Any]:
     """Queue the question, then answer it whole or as an event stream (see the module docstring)."""
     served = _served(request)
     settings = served.config.settings
     job = _Job(question[0], param=question[1], max_tokens=max_tokens or settings.default_max_tokens, stops=_stops(req.stop),
-               stream=bool(req.stream), timeout=settings.request_timeout)
-    served.admit(job)
+               stream=bool(req.stream), timeout=settings.request_timeout, sampling=_sampling(req), n=req.n or 1)
+    served.admit(job, _client(request))
     ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     created = int(time.time())
     if not job.stream:
         await _wait(request, job, job.done)
         answer = _result(job)
-        content = job.cut(answer.text)[0]
-        finish = _finish_reason(job, answer)
+        answers = job.answers
+        # With several choices each carries its own provenance (its seed, its answer); the top-level is the first's.
+        each = [{"kvgraft": a.provenance()} if len(answers) > 1 else {} for a in answers]
         body: BaseModel
         if chat:
-            body = ChatCompletion(id=ident, created=created, model=served.name, usage=_usage(answer), kvgraft=answer.provenance(),
-                                  choices=[ChatChoice(message=AssistantMessage(content=content), finish_reason=finish)])
+            body = ChatCompletion(id=ident, created=created, model=served.name, usage=_usage(answers), kvgraft=answer.provenance(),
+                                  choices=[ChatChoice(index=i, message=AssistantMessage(content=job.cut(a.text)[0]),
+                                                      finish_reason=_finish_reason(job, a), **each[i])
+                                           for i, a in enumerate(answers)])
         else:
-            body = Completion(id=ident, created=created, model=served.name, usage=_usage(answer), kvgraft=answer.provenance(),
-                              choices=[CompletionChoice(text=content, finish_reason=finish)])
+            body = Completion(id=ident, created=created, model=served.name, usage=_usage(answers), kvgraft=answer.provenance(),
+                              choices=[CompletionChoice(index=i, text=job.cut(a.text)[0], finish_reason=_finish_reason(job, a),
+                                                        **each[i]) for i, a in enumerate(answers)])
         return _json(body, headers=_provenance_headers(job))
     # A stream starts once its first token is decoded: what fails before that has its own status.
     await _wait(request, job, job.started)
@@ -512,7 +620,7 @@ async def _answer(request: Request[Any, Any, Any], question: tuple[str, str], re
     def chunk(text: str | None, *, first: bool = False, answer: Answer | None = None, usage: bool = False) -> BaseModel:
         finish: FinishReason | None = _finish_reason(job, answer) if answer is not None and not usage else None
         provenance = answer.provenance() if answer is not None else None
-        counted = _usage(answer) if answer is not None and usage else None
+        counted = _usage([answer]) if answer is not None and usage else None
         if chat:
             choices = [] if usage else [ChatChunkChoice(
                 delta=ChatDelta(role="assistant" if first else None, content=text), finish_reason=finish)]
@@ -574,6 +682,16 @@ async def list_models(request: Request[Any, Any, Any]) -> Response[bytes]:
     """The served model, as OpenAI lists models."""
     served = _served(request)
     return _json(ModelList(data=[ModelCard(id=served.name, created=served.created)]))
+
+
+@get("/v1/models/{model_id:str}")
+async def retrieve_model(request: Request[Any, Any, Any], model_id: str) -> Response[bytes]:
+    """One served model's card, as OpenAI's ``models.retrieve`` reads it; another id is 404."""
+    served = _served(request)
+    if model_id != served.name:
+        raise ModelNotServedError(f"the model {model_id[:80]!r} is not served here; this server serves {served.name!r}",
+                                  param="model")
+    return _json(ModelCard(id=served.name, created=served.created))
 
 
 @get(HEALTH_PATH)
@@ -700,7 +818,7 @@ def create_app(config: ServeConfig, *, failure: StartupFailure | None = None) ->
                 send.close()  # the worker skips what is queued, then ends
 
     return Litestar(
-        route_handlers=[list_models, health, chat_completions, completions],
+        route_handlers=[list_models, retrieve_model, health, chat_completions, completions],
         lifespan=[lifespan],
         exception_handlers={EngineServerError: _server_error, HTTPException: _http_error, Exception: _internal_error},
         # The app logs through "kvgraft.engine.serve"; serve_engine configures the process's logging.

@@ -29,7 +29,7 @@ from .engine import (
 from .remote import add_registry_options, registry_session
 
 if TYPE_CHECKING:
-    from kvgraft.engine import Library
+    from kvgraft.engine import Library, Sampling
     from kvgraft.schemas import EvaluationItem
     from kvgraft.verifier import Dataset
 
@@ -245,6 +245,25 @@ def _ask_engine(args: argparse.Namespace, question: str) -> dict[str, Any]:
 # --- eval ------------------------------------------------------------------------------------------
 
 
+def _eval_sampling(args: argparse.Namespace) -> Sampling:
+    """``eval``'s sampling options as the engine's ``Sampling``: greedy unless ``--temperature``
+    is above 0, which needs ``--sample-seed`` (an evaluation is reproducible from it)."""
+    from kvgraft.engine import GREEDY, InputTextError, Sampling
+
+    if not args.temperature:
+        if args.top_p is not None or args.sample_seed is not None:
+            raise CliError("--top-p and --sample-seed are for sampling, but --temperature is 0 (greedy decoding)",
+                           hint="pass --temperature T (above 0, at most 2) with them, or leave them out")
+        return GREEDY
+    if args.sample_seed is None:
+        raise CliError(f"--temperature {args.temperature:g} samples, and a sampled evaluation is reproducible only from its seed",
+                       hint="pass --sample-seed N (any integer from 0)")
+    try:
+        return Sampling(args.temperature, 1.0 if args.top_p is None else args.top_p, args.sample_seed)
+    except InputTextError as e:
+        raise CliError(f"the sampling options: {e.message}", hint=e.hint) from e
+
+
 def _cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     from kvgraft.engine import SKIPPED, run_eval
 
@@ -279,7 +298,7 @@ def _cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
             raise CliError(f"--library-entry: {e}", hint="pass an entry's artifact digest, as its library's index.jsonl lists it") from e
     run = run_eval(model, profile, args.dataset, args.out, key=key, library=library, fixed_entry=fixed,
                    max_new_tokens=args.max_new_tokens, limit=args.limit, seed=args.seed, batch=args.batch,
-                   passphrase=passphrase, on_item=item)
+                   passphrase=passphrase, on_item=item, sampling=_eval_sampling(args))
     a = run.statement.predicate.aggregates
     signature = None if library is None else SKIPPED if library.insecure_skip_verify else "verified"
     settings = run.statement.predicate.settings
@@ -406,6 +425,11 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     ev.add_argument("--graft-threshold", type=float, metavar="S",
                     help="with --library: the least similarity (0-1) at which a similar entry is grafted "
                     "(default: the calibrated one, docs/library.md); 0 grafts the most similar entry always")
+    ev.add_argument("--temperature", type=float, metavar="T",
+                    help="sample at this temperature (0 to 2; default 0: greedy decoding, exact); needs --sample-seed")
+    ev.add_argument("--top-p", type=float, metavar="P", help="with --temperature: nucleus sampling, keep the top P of the mass")
+    ev.add_argument("--sample-seed", type=int, metavar="N",
+                    help="with --temperature: problem D is sampled with seed N + D, so a run is reproducible and resumable")
     ev.add_argument("--batch", type=int, default=1, metavar="N",
                     help="decode N problems per forward pass (default 1: one at a time); a stopped run resumes")
     ev.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="decode budget per problem (default 256)")

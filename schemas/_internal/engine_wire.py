@@ -18,7 +18,7 @@ counts, time and energy. docs/engine-serve.md documents all of it.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,6 +35,12 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 #: The largest ``max_tokens`` accepted (decoding also ends at the model's window).
 MAX_TOKENS_LIMIT = 1 << 16
+#: The most choices (``n``) one request may ask for.
+MAX_CHOICES = 8
+#: The highest sampling temperature (OpenAI's range).
+MAX_TEMPERATURE = 2.0
+#: Seeds are 0 .. 2**63 - 1.
+MAX_SEED = (1 << 63) - 1
 #: The longest model name a request may send.
 MAX_MODEL_NAME_CHARS = 256
 
@@ -99,16 +105,35 @@ class StreamOptions(EngineRequest):
 
 
 class _Sampling(EngineRequest):
-    """What both endpoints take. ``temperature`` absent or 0 and ``n`` absent or 1 are all that is
-    served (answers are greedy, exact and reproducible); the server refuses anything else."""
+    """What both endpoints take. ``temperature`` absent or 0 is greedy decoding (the default:
+    exact and reproducible); above 0 (to 2) tokens are sampled, kept to the ``top_p`` nucleus,
+    reproducibly from ``seed`` (the server draws one when none is sent, and reports it).
+    ``n``: choices, each its own decoding (choice ``i`` with ``seed + i``)."""
 
     model: Annotated[str, Field(min_length=1, max_length=MAX_MODEL_NAME_CHARS)]
     max_tokens: TokenBudget | None = None
-    temperature: float | None = None
-    n: int | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: Stop | None = None
+    # Read only to be refused (the server's ``UNSERVED_FIELDS``): each would change the answer's shape or
+    # content, so ignoring it would answer another request than the one sent.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -181,7 +206,7 @@ class AssistantMessage(EngineWire):
 
 
 class ChatChoice(EngineWire):
-    """The one choice of a chat completion."""
+    """One choice of a chat completion (``n`` of them, ``index`` 0 ..)."""
 
     index: int = 0
     message: AssistantMessage
@@ -232,7 +257,7 @@ class ChatCompletionChunk(EngineWire):
 
 
 class CompletionChoice(EngineWire):
-    """The one choice of a completion (or of a streamed completion's chunk)."""
+    """One choice of a completion (or of a streamed completion's chunk)."""
 
     index: int = 0
     text: str

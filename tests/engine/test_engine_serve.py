@@ -50,8 +50,11 @@ class EngineServer(KvgraftProcess):
     def ready(self) -> bool:
         return httpx.get(self.url + "/health", timeout=2).status_code == 200
 
-    def client(self, **kwargs: Any) -> openai.OpenAI:
-        """The official client, without its retries (a test wants the first answer)."""
+    def client(self, *, address: str | None = None, **kwargs: Any) -> openai.OpenAI:
+        """The official client, without its retries (a test wants the first answer); ``address``:
+        the loopback address it connects from (another address is another client to the server)."""
+        if address is not None:
+            kwargs["http_client"] = httpx.Client(transport=httpx.HTTPTransport(local_address=address))
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60, **kwargs)
 
 
@@ -138,6 +141,47 @@ def test_models_are_listed_as_openai_lists_them(client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [(m.id, m.object, m.owned_by) for m in models] == [(MODEL, "model", "kvgraft")]
     assert models[0].created > 1_700_000_000
+
+
+def test_models_retrieve_regression_was_404(client: openai.OpenAI) -> None:
+    # Was: GET /v1/models/{id} was 404, so openai's models.retrieve failed (issue 37).
+    model = client.models.retrieve(MODEL)
+    assert (model.id, model.object, model.owned_by) == (MODEL, "model", "kvgraft") and model.created > 1_700_000_000
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4o")
+    assert missing.value.code == "model_not_found" and "'gpt-4o' is not served here" in missing.value.message
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]),
+    ("response_format", {"type": "json_object"}),
+    ("logprobs", True),
+    ("top_logprobs", 2),
+    ("tool_choice", "required"),
+    ("logit_bias", {"50256": -100}),
+])
+def test_unserved_fields_regression_were_silently_ignored(client: openai.OpenAI, libs: Libraries, field: str,
+                                                          value: Any) -> None:
+    # Was: tools, response_format and logprobs were ignored, and a plain answer came back as if
+    # the request had been served (issue 37). Now a 400 naming the field.
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**_chat(libs.questions[1], **{field: value}))
+    error = refused.value
+    assert (error.status_code, error.code, error.param) == (400, "unsupported_parameter", field)
+    assert f"400 - {field} is not served: kvgraft answers with plain text only" in error.message
+    assert f"leave {field} out" in error.message
+
+
+def test_unserved_fields_at_their_defaults_pass(client: openai.OpenAI, libs: Libraries) -> None:
+    chat = client.chat.completions.create(**_chat(libs.questions[1], response_format={"type": "text"}, logprobs=False,
+                                                  tools=[], logit_bias={}))
+    assert chat.to_dict()["kvgraft"]["kind"] == "recalled"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=libs.questions[1], logprobs=0)  # 0 is not "none"
+    assert refused.value.param == "logprobs"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=libs.questions[1], echo=True)
+    assert refused.value.param == "echo"
 
 
 def test_deposited_question_is_recalled_with_its_provenance(client: openai.OpenAI, libs: Libraries,
@@ -258,15 +302,57 @@ def test_max_tokens_ends_with_finish_reason_length(client: openai.OpenAI, libs: 
     assert chat.usage is not None and chat.usage.completion_tokens == 2
 
 
-def test_sampling_is_refused_greedy_only(client: openai.OpenAI, libs: Libraries) -> None:
+def test_sampling_regression_a_temperature_was_400(client: openai.OpenAI, libs: Libraries) -> None:
+    # Was: any temperature but 0 was a 400, so OpenAI clients that send one by default failed (issue 39).
+    question = "Once upon a time there was a library"
+    first = client.chat.completions.create(**_chat(question, temperature=0.9, top_p=0.95, seed=11, max_tokens=8))
+    again = client.chat.completions.create(**_chat(question, temperature=0.9, top_p=0.95, seed=11, max_tokens=8))
+    kv = first.to_dict()["kvgraft"]
+    assert kv["seed"] == 11 and kv["kind"] == "unassisted" and kv["decode_tokens"] >= 1
+    assert first.choices[0].message.content == again.choices[0].message.content  # reproducible from the seed
+    greedy = client.chat.completions.create(**_chat(question, max_tokens=8))
+    assert greedy.to_dict()["kvgraft"]["seed"] is None
+    others = {client.chat.completions.create(**_chat(question, temperature=1.5, seed=s, max_tokens=8)).choices[0].message.content
+              for s in range(4)}
+    assert len(others) > 1, others  # the seed matters
+    # No seed sent: the server draws one and reports it; sent back, it gives the same answer.
+    drawn = client.chat.completions.create(**_chat(question, temperature=0.9, max_tokens=8))
+    seed = drawn.to_dict()["kvgraft"]["seed"]
+    assert isinstance(seed, int) and seed >= 0
+    replay = client.chat.completions.create(**_chat(question, temperature=0.9, seed=seed, max_tokens=8))
+    assert replay.choices[0].message.content == drawn.choices[0].message.content
+    # What clients send by default is served: temperature 0.7, top_p 1, n 1, no penalties.
+    assert client.chat.completions.create(**_chat(question, temperature=0.7, top_p=1, n=1, presence_penalty=0,
+                                                  frequency_penalty=0, max_tokens=2)).choices[0].finish_reason == "length"
+    # Streamed: the same text as the same seed unstreamed.
+    streamed, chunks = _streamed_chat(client, question, temperature=0.9, top_p=0.95, seed=11, max_tokens=8)
+    assert streamed == first.choices[0].message.content and chunks[-1].to_dict()["kvgraft"]["seed"] == 11
+
+
+def test_sampling_n_choices_each_with_its_seed(client: openai.OpenAI, libs: Libraries) -> None:
+    question = "Once upon a time there was a library"
+    chat = client.chat.completions.create(**_chat(question, temperature=1.0, seed=20, n=3, max_tokens=6))
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    seeds = [c.to_dict()["kvgraft"]["seed"] for c in chat.choices]
+    assert seeds == [20, 21, 22] and chat.to_dict()["kvgraft"]["seed"] == 20
+    # Choice i is the answer of seed + i alone.
+    alone = client.chat.completions.create(**_chat(question, temperature=1.0, seed=22, max_tokens=6))
+    assert chat.choices[2].message.content == alone.choices[0].message.content
+    assert chat.usage is not None and chat.usage.completion_tokens == sum(
+        c.to_dict()["kvgraft"]["decode_tokens"] for c in chat.choices)
+    # Greedy has one answer; a deposited question's is the verified one, whatever the temperature.
+    greedy = client.completions.create(model=MODEL, prompt=question, n=2, max_tokens=4)
+    assert greedy.choices[0].text == greedy.choices[1].text
+    recall = client.chat.completions.create(**_chat(libs.questions[1], temperature=1.5, seed=3, n=2))
+    assert {c.to_dict()["kvgraft"]["kind"] for c in recall.choices} == {"recalled"}
+    assert recall.choices[0].message.content == recall.choices[1].message.content and recall.to_dict()["kvgraft"]["seed"] is None
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(**_chat(libs.questions[0], temperature=0.7))
-    assert refused.value.status_code == 400 and refused.value.code == "unsupported_value"
-    assert "only greedy decoding is (temperature absent or 0)" in refused.value.message
-    assert "exact and reproducible" in refused.value.message
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(model=MODEL, prompt="x", n=2)
-    assert "n 2 is not served" in refused.value.message
+        client.chat.completions.create(**_chat(question, n=2, stream=True))
+    assert refused.value.param == "n" and "served only without streaming" in refused.value.message
+    for field, value, says in (("temperature", 2.5, "temperature"), ("n", 9, "n"), ("top_p", 0, "top_p"), ("seed", -1, "seed")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(**_chat(question, **{field: value}))
+        assert says in refused.value.message, (field, refused.value.message)
 
 
 def test_unknown_model_is_404_model_not_found(client: openai.OpenAI) -> None:
@@ -357,9 +443,15 @@ def _until(condition: Any, what: str, seconds: float = 10) -> None:
         time.sleep(0.02)
 
 
+def _from(address: str) -> httpx.Client:
+    """An httpx client connecting from ``address`` (a loopback address): one client to the server."""
+    return httpx.Client(timeout=30, transport=httpx.HTTPTransport(local_address=address))
+
+
 def test_queue_full_is_429_and_a_hang_up_cancels_decoding(busy: EngineServer) -> None:
+    # Three clients (three addresses): each within its share, the third finds the queue full.
     answers: dict[str, Any] = {}
-    with httpx.Client(timeout=30) as http, http.stream("POST", busy.url + "/v1/completions", json=_LONG) as first:
+    with _from("127.0.0.1") as http, http.stream("POST", busy.url + "/v1/completions", json=_LONG) as first:
         # The first answer is streaming: the worker is busy with it.
         assert first.status_code == 200 and first.headers["content-type"].startswith("text/event-stream")
         # Kept: a dropped line iterator closes the response, which is a hang-up.
@@ -368,20 +460,21 @@ def test_queue_full_is_429_and_a_hang_up_cancels_decoding(busy: EngineServer) ->
         assert _health(busy)["running"] is True
 
         def second() -> None:
-            answers["second"] = httpx.post(busy.url + "/v1/completions", json={**_LONG, "stream": False, "max_tokens": 4},
-                                           timeout=30)
+            with _from("127.0.0.2") as other:
+                answers["second"] = other.post(busy.url + "/v1/completions", json={**_LONG, "stream": False, "max_tokens": 4})
 
         waiting = threading.Thread(target=second)
         waiting.start()
         _until(lambda: _health(busy)["queued"] == 1, "the second request waits in the queue")
 
-        full = httpx.post(busy.url + "/v1/completions", json={**_LONG, "stream": False}, timeout=30)
+        with _from("127.0.0.3") as third:
+            full = third.post(busy.url + "/v1/completions", json={**_LONG, "stream": False})
         assert full.status_code == 429 and full.headers["retry-after"] == "1"
         error = full.json()["error"]
         assert (error["type"], error["code"]) == ("rate_limit_error", "queue_full")
         assert "--max-queue 1" in error["message"]
         with pytest.raises(openai.RateLimitError):
-            busy.client().completions.create(model=BUSY_MODEL, prompt="x", max_tokens=1)
+            busy.client(address="127.0.0.4").completions.create(model=BUSY_MODEL, prompt="x", max_tokens=1)
         hung_up = time.monotonic()
     # The first client hung up: its decoding stops at the next token and the waiting one is answered.
     waiting.join(timeout=30)
@@ -389,6 +482,31 @@ def test_queue_full_is_429_and_a_hang_up_cancels_decoding(busy: EngineServer) ->
     assert time.monotonic() - hung_up < 1.5, "the waiting request was not answered promptly after the hang-up"
     assert answers["second"].status_code == 200 and answers["second"].json()["usage"]["completion_tokens"] == 4
     _until(lambda: _health(busy)["running"] is False and _health(busy)["queued"] == 0, "the worker is idle")
+
+
+def test_client_fairness_regression_one_client_kept_everyone_else_at_429(busy: EngineServer) -> None:
+    # Was: one anonymous client holding --max-queue + 1 requests of max_tokens 65536 kept every
+    # other client at 429, and could renew them without end (issue 37). One client now holds at
+    # most its share (half the places, 65536 tokens); the rest stay free for others.
+    hog = {**_LONG, "max_tokens": 65536}
+    with _from("127.0.0.5") as http, http.stream("POST", busy.url + "/v1/completions", json=hog) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()
+        assert next(lines).startswith("data: ")
+        for _ in range(2):  # --max-queue 1: the hog's max-queue + 1 requests, and a renewal
+            again = http.post(busy.url + "/v1/completions", json={**hog, "stream": False})
+            assert again.status_code == 429 and again.headers["retry-after"] == "1"
+            error = again.json()["error"]
+            assert (error["type"], error["code"]) == ("rate_limit_error", "client_quota")
+            assert "this client (127.0.0.5) already holds 1 requests of 65536 max_tokens" in error["message"]
+            assert "one client's share of this server is 1 requests and 65536 tokens" in error["message"]
+        # Another client still gets the waiting place, and its answer once the hog's request ends (its 3 s timeout).
+        other = busy.client(address="127.0.0.6").completions.create(model=BUSY_MODEL, prompt="hi", max_tokens=2)
+        assert other.usage is not None and other.usage.completion_tokens == 2
+    _until(lambda: _health(busy)["running"] is False and _health(busy)["queued"] == 0, "the worker is idle")
+    # The hog's share came back when its request ended.
+    assert httpx.post(busy.url + "/v1/completions", json={"model": BUSY_MODEL, "prompt": "hi", "max_tokens": 2},
+                      timeout=30).status_code == 200
 
 
 def test_non_streaming_hang_up_cancels_decoding(busy: EngineServer) -> None:

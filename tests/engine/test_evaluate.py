@@ -224,3 +224,25 @@ def test_a_library_eval_counts_answer_kinds_and_grafts_only_above_the_threshold(
     assert (p0.settings["assisted"], p0.settings["unassisted"]) == (2, 0) and p0.items[3].library_entry is not None
     del p0.settings["graft_threshold"]  # a record from before the threshold replays with 0
     assert "0.0" in eval_command(run.statement.model_copy(update={"predicate": p0}), data, library.directory)
+
+
+def test_a_sampled_eval_is_reproducible_from_its_seed_and_records_it(
+        tmp_path: Path, tiny: LoadedModel, profile: DeterminismProfile, key: Path, test_set: Path, one_at_a_time: Path) -> None:
+    from kvgraft.engine import Sampling
+    from kvgraft.engine._internal.evaluate import eval_command
+
+    sampling = Sampling(1.0, 0.9, 5)
+    a = run_eval(tiny, profile, test_set, tmp_path / "a", key=key, max_new_tokens=BUDGET, sampling=sampling)
+    run_eval(tiny, profile, test_set, tmp_path / "b", key=key, max_new_tokens=BUDGET, sampling=sampling)
+    assert _outputs(tmp_path / "a") == _outputs(tmp_path / "b") != _outputs(one_at_a_time)
+    s = a.statement.predicate.settings
+    assert (s["temperature"], s["top_p"], s["sample_seed"]) == (1.0, 0.9, 5)
+    command = eval_command(a.statement, test_set, None)
+    assert command[command.index("--sample-seed") + 1] == "5" and command[command.index("--top-p") + 1] == "0.9"
+    # Problem D is drawn with seed + D: an item does not depend on which others ran (two drawn at random).
+    run_eval(tiny, profile, test_set, tmp_path / "c", key=key, max_new_tokens=BUDGET, sampling=sampling, limit=2, seed=4)
+    by_doc = {json.loads(line)["doc_id"]: json.loads(line)["output"] for line in (tmp_path / "a" / "outputs.jsonl").read_text().splitlines()}
+    drawn = [json.loads(line) for line in (tmp_path / "c" / "outputs.jsonl").read_text().splitlines()]
+    assert [d["doc_id"] for d in drawn] != [0, 1] and all(d["output"] == by_doc[d["doc_id"]] for d in drawn)
+    # Greedy records carry no sampling settings (what they always were).
+    assert "sample_seed" not in run_eval(tiny, profile, test_set, tmp_path / "g", key=key, max_new_tokens=2).statement.predicate.settings

@@ -217,3 +217,22 @@ def test_ask_json_kinds_regression_deposited_questions_are_recalled_and_unrelate
         assert code == 0, err
         assert (ans["kind"], ans["entry"]) == ("unassisted", None) and ans["summary"].startswith(("unverified answer: ", "no answer: "))
         assert "recalled" not in ans["summary"]
+
+
+def test_eval_sampling_options_on_the_command_line(tmp_path: Path, key: Path, trust: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    gsm8k = _subset(tmp_path, DATA / "gsm8k_test.jsonl", 2)
+    common = ["--model", "tiny-llama-test", "--dataset", gsm8k, "--max-new-tokens", "4", "--key", key]
+    code, res, err = _run(capsys, "eval", *common, "--temperature", "0.8", "--out", tmp_path / "e")
+    assert code == 1 and "reproducible only from its seed" in err and "pass --sample-seed N" in err and err.count("\n") == 1, err
+    code, res, err = _run(capsys, "eval", *common, "--top-p", "0.5", "--out", tmp_path / "e")
+    assert code == 1 and "--temperature is 0 (greedy decoding)" in err, err
+    code, res, err = _run(capsys, "eval", *common, "--temperature", "3", "--sample-seed", "1", "--out", tmp_path / "e")
+    assert code == 1 and "temperature 3.0 is not between 0 and 2" in err, err
+    assert not (tmp_path / "e").exists()
+    ev = tmp_path / "sampled"
+    code, res, err = _run(capsys, "eval", *common, "--temperature", "0.8", "--top-p", "0.9", "--sample-seed", "3", "--out", ev)
+    assert code == 0 and res["items"] == 2, err
+    assert _verify(capsys, "eval", ev, "--dataset", gsm8k, "--trusted-keys", trust)[0] == 0
+    settings = json.loads(__import__("base64").b64decode(json.loads((ev / "record.dsse.json").read_text())["payload"]))["predicate"]["settings"]
+    assert (settings["temperature"], settings["top_p"], settings["sample_seed"]) == (0.8, 0.9, 3)
