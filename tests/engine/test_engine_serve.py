@@ -484,29 +484,41 @@ def test_queue_full_is_429_and_a_hang_up_cancels_decoding(busy: EngineServer) ->
     _until(lambda: _health(busy)["running"] is False and _health(busy)["queued"] == 0, "the worker is idle")
 
 
-def test_client_fairness_regression_one_client_kept_everyone_else_at_429(busy: EngineServer) -> None:
+def test_client_fairness_regression_one_client_kept_everyone_else_at_429(libs: Libraries) -> None:
     # Was: one anonymous client holding --max-queue + 1 requests of max_tokens 65536 kept every
     # other client at 429, and could renew them without end (issue 37). One client now holds at
-    # most its share (half the places, 65536 tokens); the rest stay free for others.
+    # most its share (half the places, 65536 tokens); the rest stay free for others. Its own
+    # server with a long timeout: the hog's answer must still be decoding while the others ask.
     hog = {**_LONG, "max_tokens": 65536}
-    with _from("127.0.0.5") as http, http.stream("POST", busy.url + "/v1/completions", json=hog) as first:
-        assert first.status_code == 200
-        lines = first.iter_lines()
-        assert next(lines).startswith("data: ")
-        for _ in range(2):  # --max-queue 1: the hog's max-queue + 1 requests, and a renewal
-            again = http.post(busy.url + "/v1/completions", json={**hog, "stream": False})
-            assert again.status_code == 429 and again.headers["retry-after"] == "1"
-            error = again.json()["error"]
-            assert (error["type"], error["code"]) == ("rate_limit_error", "client_quota")
-            assert "this client (127.0.0.5) already holds 1 requests of 65536 max_tokens" in error["message"]
-            assert "one client's share of this server is 1 requests and 65536 tokens" in error["message"]
-        # Another client still gets the waiting place, and its answer once the hog's request ends (its 3 s timeout).
-        other = busy.client(address="127.0.0.6").completions.create(model=BUSY_MODEL, prompt="hi", max_tokens=2)
-        assert other.usage is not None and other.usage.completion_tokens == 2
-    _until(lambda: _health(busy)["running"] is False and _health(busy)["queued"] == 0, "the worker is idle")
-    # The hog's share came back when its request ended.
-    assert httpx.post(busy.url + "/v1/completions", json={"model": BUSY_MODEL, "prompt": "hi", "max_tokens": 2},
-                      timeout=30).status_code == 200
+    answers: dict[str, Any] = {}
+    with engine_server(libs.root / "fair.log", "--model", BUSY_MODEL, "--max-queue", "1", "--request-timeout", "120") as fair:
+        with _from("127.0.0.5") as http, http.stream("POST", fair.url + "/v1/completions", json=hog) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()
+            assert next(lines).startswith("data: ")
+            for _ in range(2):  # --max-queue 1: the hog's max-queue + 1 requests, and a renewal
+                again = http.post(fair.url + "/v1/completions", json={**hog, "stream": False})
+                assert again.status_code == 429 and again.headers["retry-after"] == "1"
+                error = again.json()["error"]
+                assert (error["type"], error["code"]) == ("rate_limit_error", "client_quota")
+                assert "this client (127.0.0.5) already holds 1 requests of 65536 max_tokens" in error["message"]
+                assert "one client's share of this server is 1 requests and 65536 tokens" in error["message"]
+
+            def other() -> None:
+                client = fair.client(address="127.0.0.6")
+                answers["other"] = client.completions.create(model=BUSY_MODEL, prompt="hi", max_tokens=2)
+
+            # Another client still gets the waiting place; it is answered once the hog's request ends.
+            waiting = threading.Thread(target=other)
+            waiting.start()
+            _until(lambda: _health(fair)["queued"] == 1, "the other client's request waits in the queue", seconds=30)
+            assert http.post(fair.url + "/v1/completions", json=hog).json()["error"]["code"] == "client_quota"
+        waiting.join(timeout=60)
+        assert answers["other"].usage is not None and answers["other"].usage.completion_tokens == 2
+        _until(lambda: _health(fair)["running"] is False and _health(fair)["queued"] == 0, "the worker is idle", seconds=30)
+        # The hog's share came back when its request ended.
+        r = httpx.post(fair.url + "/v1/completions", json={"model": BUSY_MODEL, "prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
 
 
 def test_non_streaming_hang_up_cancels_decoding(busy: EngineServer) -> None:
