@@ -48,7 +48,7 @@ from ._internal.tiles_cli import add_tiles_parser
 from ._internal.tlog_cli import add_log_parser
 
 __all__ = [
-    "COMMAND_GROUPS", "DATASET_HELP", "ExitCode", "HelpFormatter", "ToolParser", "VerifyParser", "build_parser",
+    "COMMAND_EXAMPLES", "COMMAND_GROUPS", "DATASET_HELP", "ExitCode", "HelpFormatter", "ToolParser", "VerifyParser", "build_parser",
     "did_you_mean", "examples_text", "main", "run", "suggestions", "walk",
 ]
 
@@ -326,6 +326,28 @@ EXAMPLES: tuple[tuple[str, str], ...] = (
 )
 
 
+#: Examples at the end of a command's own ``--help`` (tests/cli/test_help.py parses each one).
+COMMAND_EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
+    "audit": (
+        ("kvgraft-verify audit report --trusted-keys trusted.json --registry-key registry-key.pub.pem",
+         "every record and number of the folder, against keys you got from outside it"),
+    ),
+    "envelope": (
+        ("kvgraft-verify envelope art/statement.dsse.json --trusted-keys trusted.json --artifact-dir art",
+         "the signature, the files and the token digest of an artifact"),
+        ("kvgraft-verify envelope child/statement.dsse.json --trusted-keys trusted.json --artifact-dir child --parent-dir art",
+         "a child artifact, its chain key recomputed from its parent's"),
+    ),
+    "eval": (
+        ("kvgraft-verify eval ev --dataset data/datasets/gsm8k_test.jsonl --trusted-keys trusted.json",
+         "every hash, grade and aggregate of an evaluation recomputed"),
+    ),
+    "exactness": (
+        ("kvgraft-verify exactness record --trusted-keys trusted.json", "every logits hash, KL and argmax recomputed with numpy"),
+    ),
+}
+
+
 def _version() -> str:
     # The distribution's version (no import of the kvgraft package's CLI).
     from importlib.metadata import PackageNotFoundError, version
@@ -434,6 +456,9 @@ def build_parser() -> ToolParser:
     add_log_parser(sub)
     add_tiles_parser(sub)
     parser.set_command_groups(COMMAND_GROUPS, EXAMPLES)
+    for path, command_parser in walk(parser):
+        if len(path) == 1 and path[0] in COMMAND_EXAMPLES:
+            command_parser.epilog = examples_text(COMMAND_EXAMPLES[path[0]])
     return parser
 
 

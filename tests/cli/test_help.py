@@ -207,3 +207,21 @@ def test_every_help_example_parses_and_shows_in_its_help(capsys: pytest.CaptureF
             pytest.fail(f"example {line!r} does not parse: {capsys.readouterr().err}")
         assert callable(args.run)
         assert path in helps and f"  {line}\n" in helps[path], (path, line)
+
+
+def test_every_verify_example_parses_and_shows_in_its_help(capsys: pytest.CaptureFixture[str]) -> None:
+    import shlex
+
+    helps = {path: p.format_help() for path, p in walk(verify_cli.build_parser())}
+    examples = [((), line) for line, _ in verify_cli.EXAMPLES] + [
+        ((name,), line) for name, shown in verify_cli.COMMAND_EXAMPLES.items() for line, _ in shown
+    ]
+    for path, line in examples:
+        argv = shlex.split(line)
+        assert argv[0] == "kvgraft-verify"
+        try:
+            args = verify_cli.build_parser().parse_args(argv[1:])
+        except SystemExit:
+            pytest.fail(f"example {line!r} does not parse: {capsys.readouterr().err}")
+        assert callable(args.run)
+        assert f"  {line}\n" in helps[path], (path, line)
