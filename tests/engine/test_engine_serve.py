@@ -661,9 +661,14 @@ def test_smollm2_recall_over_the_server(tmp_path: Path, key: Path, libs: Librari
     local = _local_ask(capsys, libs, library, libs.questions[0])
     with engine_server(tmp_path / "server.log", "--model", "smollm2-135m", "--library", library, "--trusted-keys", libs.trust) as server:
         chat = server.client().chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": libs.questions[0]}])
+        unrelated = server.client().chat.completions.create(
+            model="smollm2-135m", max_tokens=8, messages=[{"role": "user", "content": "Write a haiku about the sea."}]).to_dict()["kvgraft"]
     kv = chat.to_dict()["kvgraft"]
-    assert (kv["method"], kv["entry"]) == ("exact", libs.entry(library, libs.questions[0])) and kv["decode_tokens"] <= 16
-    assert (chat.choices[0].message.content, kv["answer"]) == (local["text"], local["answer"])
+    assert (kv["kind"], kv["method"], kv["entry"]) == ("recalled", "exact", libs.entry(library, libs.questions[0]))
+    assert 1 <= kv["decode_tokens"] <= 16 and kv["answer"] == local["answer"] == "72" and local["kind"] == "recalled"
+    assert chat.choices[0].message.content == local["text"] == "\\boxed{72}"
+    # An unrelated question is never recalled, and nothing is grafted for it.
+    assert (unrelated["kind"], unrelated["entry"]) == ("unassisted", None)
 
 
 def test_ask_engine_loads_no_torch(tmp_path: Path) -> None:
