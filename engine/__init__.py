@@ -59,7 +59,7 @@ from ._internal.library import (
     require_library_match,
     worked_solution,
 )
-from ._internal.llamacpp import LlamaCppError, LlamaCppModel
+from ._internal.llamacpp import LlamaCppError, LlamaCppModel, server_binary
 from ._internal.models import (
     MODELS,
     LoadedModel,
@@ -100,6 +100,16 @@ from ._internal.profiles import (
 )
 from ._internal.schedules import prefill, single_pass
 from ._internal.serve import ServeConfig, ServeSettings, create_engine_app, serve_engine
+from ._internal.slots import (
+    ServerIdentity,
+    SlotError,
+    VerifiedSlot,
+    read_slot,
+    restore_slot,
+    server_identity,
+    sign_slot,
+    verify_slot,
+)
 from ._internal.trust import (
     SKIP_WARNING,
     SKIPPED,
@@ -124,7 +134,8 @@ __all__ = [
     "fresh", "generate", "graft", "is_cached", "is_installed", "kvgraft_home", "load_artifact", "load_model", "local_key_path",
     "locate_gguf", "logits_digest", "read_kv_file", "read_text", "require_same", "serialize", "spec_for", "token_digest",
     "EvalRun", "clean_solution", "read_meta", "run_eval", "run_exactness", "run_replay", "select", "summary_table",
-    "write_pre_registration", "Wheel", "install", "install_hint", "AnyModel", "LlamaCppError", "LlamaCppModel", "load_model_for",
+    "write_pre_registration", "Wheel", "install", "install_hint", "AnyModel", "LlamaCppError", "LlamaCppModel", "load_model_for", "server_binary",
+    "ServerIdentity", "SlotError", "VerifiedSlot", "read_slot", "restore_slot", "server_identity", "sign_slot", "verify_slot",
     "ContextWindowError", "EngineServerConfigError", "EngineServerError", "NOTHING_GRAFTED", "ServeConfig", "ServeSettings",
     "ask_model", "create_engine_app", "ISA_LEVELS", "compute_dtype", "cpu_description", "lookup_all", "serve_engine", "ProblemIndex", "worked_solution", "journal_path", "read_index", "require_library_match", "MAX_INDEX_LINE_BYTES",
 ]

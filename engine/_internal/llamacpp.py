@@ -162,6 +162,14 @@ def build_fingerprint() -> str:
             f"state={STATE_FORMAT}; {info}")
 
 
+def server_binary() -> Path:
+    """llama.cpp's own ``llama-server``, built beside the bindings' libraries by setup_llama_cpp.sh."""
+    path = Path(lib().__file__).parent / "lib" / "llama-server"
+    if not path.is_file():
+        raise ProfileMismatchError(f"llama.cpp's llama-server is not installed ({path} is missing)", hint=SETUP_HINT)
+    return path
+
+
 # --- the model -------------------------------------------------------------------------------
 
 
