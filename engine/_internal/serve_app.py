@@ -88,8 +88,7 @@ from .errors import (
     ServerStoppingError,
 )
 from .library import Answer, Library, answer_kind, ask_model, grafted_hit, lookup_all
-from .models import LoadedModel, load_model
-from .ops import GREEDY, Sampling
+from .ops import GREEDY, AnyModel, Sampling, load_model_for
 from .profiles import current_profile
 from .serve import LOGGER, ServeConfig
 
@@ -115,7 +114,7 @@ class _Served:
     """The lifespan's state: the loaded model, its libraries, the queue into the worker."""
 
     config: ServeConfig
-    model: LoadedModel
+    model: AnyModel
     profile: DeterminismProfile
     libraries: list[Library]
     #: Unix time the model was loaded (``created`` of its ``/v1/models`` card).
@@ -599,17 +598,18 @@ async def _answer(request: Request[Any, Any, Any], question: tuple[str, str], re
         answer = _result(job)
         answers = job.answers
         # With several choices each carries its own provenance (its seed, its answer); the top-level is the first's.
-        each = [{"kvgraft": a.provenance()} if len(answers) > 1 else {} for a in answers]
+        each: list[dict[str, Any]] = [{"kvgraft": a.provenance()} if len(answers) > 1 else {} for a in answers]
         body: BaseModel
         if chat:
             body = ChatCompletion(id=ident, created=created, model=served.name, usage=_usage(answers), kvgraft=answer.provenance(),
-                                  choices=[ChatChoice(index=i, message=AssistantMessage(content=job.cut(a.text)[0]),
-                                                      finish_reason=_finish_reason(job, a), **each[i])
-                                           for i, a in enumerate(answers)])
+                                  choices=[ChatChoice.model_validate({
+                                      "index": i, "message": AssistantMessage(content=job.cut(a.text)[0]),
+                                      "finish_reason": _finish_reason(job, a), **each[i]}) for i, a in enumerate(answers)])
         else:
             body = Completion(id=ident, created=created, model=served.name, usage=_usage(answers), kvgraft=answer.provenance(),
-                              choices=[CompletionChoice(index=i, text=job.cut(a.text)[0], finish_reason=_finish_reason(job, a),
-                                                        **each[i]) for i, a in enumerate(answers)])
+                              choices=[CompletionChoice.model_validate({
+                                  "index": i, "text": job.cut(a.text)[0], "finish_reason": _finish_reason(job, a), **each[i]})
+                                  for i, a in enumerate(answers)])
         return _json(body, headers=_provenance_headers(job))
     # A stream starts once its first token is decoded: what fails before that has its own status.
     await _wait(request, job, job.started)
@@ -759,7 +759,7 @@ def _load(config: ServeConfig) -> _Served:
     verify keeps the server from starting); entries are verified when they are grafted."""
     # The profile first: one this machine cannot run is refused before loading runs any kernel.
     profile = current_profile(config.profile)
-    model = load_model(config.model)
+    model = load_model_for(config.model, profile)
     libraries = []
     for directory in config.libraries:
         trust = config.trust

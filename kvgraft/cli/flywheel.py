@@ -261,7 +261,7 @@ def _eval_sampling(args: argparse.Namespace) -> Sampling:
     try:
         return Sampling(args.temperature, 1.0 if args.top_p is None else args.top_p, args.sample_seed)
     except InputTextError as e:
-        raise CliError(f"the sampling options: {e.message}", hint=e.hint) from e
+        raise CliError(f"the sampling options: {e.message}", hint=e.hint or "see 'kvgraft eval --help'") from e
 
 
 def _cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
