@@ -74,7 +74,7 @@ from .kvstate import KVState, Segment
 from .models import LoadedModel
 
 if TYPE_CHECKING:
-    from .llamacpp import LlamaCppModel
+    from .llamacpp import LlamaCppModel, LlamaCppState
 from .profiles import kv_dtype, require_same
 from .trust import SKIPPED, local_key_path, local_public_key_path
 
@@ -119,7 +119,7 @@ def write_artifact(
     *,
     model: LoadedModel | LlamaCppModel,
     profile: DeterminismProfile,
-    state: KVState,
+    state: KVState | LlamaCppState,
     start: int,
     last_logits: torch.Tensor,
     text: str,

@@ -67,8 +67,7 @@ from kvgraft.verifier import (
 
 from .errors import EvaluationError
 from .library import INSTRUCTION, EnergyMeter, Hit, Library, problem_hash, question_text, stop_after_boxed
-from .models import LoadedModel
-from .ops import GREEDY, Decoded, DecodeJob, Sampling, continue_from, decode_batch
+from .ops import GREEDY, AnyModel, Decoded, DecodeJob, Sampling, continue_from, decode_batch
 
 
 def select(dataset: Dataset, limit: int | None, seed: int | None) -> list[int]:
@@ -232,7 +231,7 @@ class _Question:
 
 
 def run_eval(
-    model: LoadedModel,
+    model: AnyModel,
     profile: DeterminismProfile,
     dataset_path: Path,
     out: Path,
@@ -369,7 +368,7 @@ def _item(dataset: Dataset, d: _Done) -> EvaluationItem:
     )
 
 
-def _question(model: LoadedModel, dataset: Dataset, doc_id: int, library: Library | None, fixed: Hit | None,
+def _question(model: AnyModel, dataset: Dataset, doc_id: int, library: Library | None, fixed: Hit | None,
               max_new_tokens: int, sampling: Sampling) -> _Question:
     question = dataset.question(doc_id)
     sampling = sampling.offset(doc_id)
@@ -383,11 +382,11 @@ def _question(model: LoadedModel, dataset: Dataset, doc_id: int, library: Librar
     return _Question(doc_id, plan.prompt, plan.job(sampling=sampling), plan.head, plan.hit.entry.artifact if plan.hit else None)
 
 
-def _answer_all(model: LoadedModel, profile: DeterminismProfile, dataset: Dataset, doc_ids: list[int], journal: _Journal,
+def _answer_all(model: AnyModel, profile: DeterminismProfile, dataset: Dataset, doc_ids: list[int], journal: _Journal,
                 library: Library | None, fixed: Hit | None, max_new_tokens: int, batch: int,
                 on_item: Callable[[int, int, EvaluationItem], None] | None, total: int, sampling: Sampling) -> None:
     """Answer ``doc_ids`` (one at a time, or ``batch`` per forward pass) into ``journal``."""
-    meter = EnergyMeter(sum(p.numel() for p in model.module.parameters()))
+    meter = EnergyMeter(model.parameter_count)
     clock = [time.perf_counter()]
     meter.start()
 

@@ -48,8 +48,7 @@ from kvgraft.verifier import (
 
 from .artifacts import load_artifact, logits_digest
 from .errors import ArtifactError, InputTextError
-from .models import LoadedModel
-from .ops import capture, fresh, graft
+from .ops import AnyModel, capture, fresh, graft
 from .trust import trust_signer
 
 #: The texts samples are drawn from, shipped with the project (see data/datasets/*.SOURCE.md).
@@ -83,7 +82,7 @@ class Pair:
     continuation: str
 
 
-def draw_pairs(model: LoadedModel, samples: int, seed: int, *, min_tokens: int, max_tokens: int, continuation_tokens: int) -> Iterator[Pair]:
+def draw_pairs(model: AnyModel, samples: int, seed: int, *, min_tokens: int, max_tokens: int, continuation_tokens: int) -> Iterator[Pair]:
     """``samples`` pairs with prefix lengths spread evenly over ``[min_tokens, max_tokens]``.
 
     Prefixes run across whole documents picked by a seeded RNG; continuations are the start of
@@ -113,7 +112,7 @@ def _write_logits(stage: StagedDirectory, arr: np.ndarray) -> Sha256Digest:
 
 
 def run_exactness(
-    model: LoadedModel,
+    model: AnyModel,
     profile: DeterminismProfile,
     out: Path,
     *,

@@ -64,8 +64,7 @@ from kvgraft.verifier import Dataset, TrustedKeys, extract_answer, grade, write_
 
 from .artifacts import LoadedArtifact, load_artifact
 from .errors import ContextWindowError, InputTextError, LibraryError, NoTrustedKeysError
-from .models import LoadedModel
-from .ops import GREEDY, Decoded, DecodeJob, Sampling, capture, continue_from
+from .ops import GREEDY, AnyModel, Decoded, DecodeJob, Sampling, capture, continue_from
 from .profiles import PROFILE_ALIASES
 from .trust import trust_signer
 
@@ -373,11 +372,11 @@ def _require_trust(directory: Path, trusted: TrustedKeys | None, insecure_skip_v
         )
 
 
-def _parameters(model: LoadedModel) -> int:
-    return sum(p.numel() for p in model.module.parameters())
+def _parameters(model: AnyModel) -> int:
+    return model.parameter_count
 
 
-def _check_window(model: LoadedModel, start: int, ids: list[int]) -> None:
+def _check_window(model: AnyModel, start: int, ids: list[int]) -> None:
     """Refuse a question that does not fit the model's window after the ``start`` positions
     grafted before it, before anything runs (``ContextWindowError``)."""
     window = model.spec.window
@@ -476,7 +475,7 @@ class Plan:
 NOTHING_GRAFTED = "none (nothing grafted)"
 
 
-def ask_model(model: LoadedModel, profile: DeterminismProfile, question: str, *, max_new_tokens: int = 256,
+def ask_model(model: AnyModel, profile: DeterminismProfile, question: str, *, max_new_tokens: int = 256,
               stop: Callable[[str], bool] | None = None, sampling: Sampling = GREEDY) -> Answer:
     """The model's own answer to ``question`` (greedy unless ``sampling``), with no library: the question's tokens
     (after BOS) on an empty state, decoded until EOS, ``max_new_tokens`` or ``stop`` (called
@@ -528,7 +527,7 @@ class Library:
     name (``load_entry``), so an index pointed at another problem's artifact is refused.
     """
 
-    def __init__(self, directory: Path, model: LoadedModel, profile: DeterminismProfile, meta: dict[str, Any],
+    def __init__(self, directory: Path, model: AnyModel, profile: DeterminismProfile, meta: dict[str, Any],
                  entries: list[Entry], trusted: TrustedKeys | None, *, insecure_skip_verify: bool = False,
                  graft_threshold: float = GRAFT_THRESHOLD) -> None:
         _require_trust(directory, trusted, insecure_skip_verify)
@@ -555,7 +554,7 @@ class Library:
     # --- opening ---------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, directory: Path, model: LoadedModel, profile: DeterminismProfile, *, kind: str, key: Path,
+    def create(cls, directory: Path, model: AnyModel, profile: DeterminismProfile, *, kind: str, key: Path,
                passphrase: bytes | None = None, trusted: TrustedKeys | None = None,
                insecure_skip_verify: bool = False) -> Library:
         """A new library: capture the shared instruction prefix and write ``library.json``.
@@ -580,7 +579,7 @@ class Library:
         return cls(directory, model, profile, meta, [], trusted, insecure_skip_verify=insecure_skip_verify)
 
     @classmethod
-    def open(cls, directory: Path, model: LoadedModel, profile: DeterminismProfile, *,
+    def open(cls, directory: Path, model: AnyModel, profile: DeterminismProfile, *,
              trusted: TrustedKeys | None = None, insecure_skip_verify: bool = False,
              graft_threshold: float = GRAFT_THRESHOLD) -> Library:
         """Open an existing library for ``model`` and ``profile`` (both must be the library's).

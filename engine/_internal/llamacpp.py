@@ -148,7 +148,7 @@ def build_fingerprint() -> str:
     """The llama.cpp build as its kernels run here: the bindings' version, the sha256 of each
     library the bindings load (sorted by name), the build tag, and ggml's system info."""
     llama_cpp = lib()
-    folder = Path(llama_cpp.__file__).parent / "lib"
+    folder = Path(str(llama_cpp.__file__)).parent / "lib"
     # The libraries the bindings load (libllama and ggml's); the server's own beside them are not.
     libs = sorted(p for p in folder.iterdir() if p.name.startswith(("libllama.so", "libggml")) and p.is_file() and not p.is_symlink())
     digest = hashlib.sha256()
@@ -164,7 +164,7 @@ def build_fingerprint() -> str:
 
 def server_binary() -> Path:
     """llama.cpp's own ``llama-server``, built beside the bindings' libraries by setup_llama_cpp.sh."""
-    path = Path(lib().__file__).parent / "lib" / "llama-server"
+    path = Path(str(lib().__file__)).parent / "lib" / "llama-server"
     if not path.is_file():
         raise ProfileMismatchError(f"llama.cpp's llama-server is not installed ({path} is missing)", hint=SETUP_HINT)
     return path
@@ -369,6 +369,11 @@ class LlamaCppModel:
         self.lock = threading.RLock()
         self._shapes = self._probe()
         weakref.finalize(self, _free_native, llama_cpp, self._ctx, self._model)
+
+    @property
+    def parameter_count(self) -> int:
+        """How many weights the GGUF holds (what the energy meter counts per token)."""
+        return int(lib().llama_model_n_params(self._model))
 
     def _metadata(self) -> dict[str, str]:
         """The GGUF's metadata as llama.cpp reads it, less the tokenizer's arrays (the GGUF's

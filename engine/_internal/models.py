@@ -231,6 +231,11 @@ class LoadedModel:
     tokenizer_digest: Sha256Digest
 
     @property
+    def parameter_count(self) -> int:
+        """How many weights the model has (what the energy meter counts per token)."""
+        return sum(p.numel() for p in self.module.parameters())
+
+    @property
     def vocab_size(self) -> int:
         """How many token ids the model has (what an artifact's ids are checked against)."""
         return int(self.module.config.vocab_size)

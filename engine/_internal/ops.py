@@ -46,6 +46,16 @@ def load_model_for(name: str, profile: DeterminismProfile) -> AnyModel:
     return load_model(name)
 
 
+def _join(rows: KVBatch | LlamaCppBatch, state: AnyState) -> None:
+    """Add ``state`` to ``rows``, a batch of its own backend."""
+    if isinstance(rows, LlamaCppBatch) and isinstance(state, LlamaCppState):
+        rows.add(state)
+    elif isinstance(rows, KVBatch) and isinstance(state, KVState):
+        rows.add(state)
+    else:
+        raise TypeError(f"a {type(state).__name__} cannot join a {type(rows).__name__}")
+
+
 def prefix_rows(model: AnyModel) -> int | None:
     """How many logits rows a prefix's pass computes where only its last is read (``capture``,
     ``fresh``): llama.cpp's one (the prefix's state is the same whichever rows are output; a
@@ -413,7 +423,7 @@ def decode_batch(
                 if first is None:
                     on_done(i, rule.decoded())
                     continue
-                rows.add(state)
+                _join(rows, state)
                 running.append((i, rule))
                 tokens.append(first)
             if not running:

@@ -17,8 +17,9 @@ from kvgraft.schemas import DeterminismProfile
 from . import invariant
 from .errors import InputTextError
 from .kernel_errors import ScheduleError
+from .llamacpp import LlamaCppModel, LlamaCppState
 from .models import LoadedModel
-from .ops import Continuation
+from .ops import AnyModel, Continuation
 from .profiles import applied, placed
 
 
@@ -49,7 +50,7 @@ def prefill(model: LoadedModel, sequences: list[list[int]], *, keep_from: int = 
     return [logits[i, :len(s) - keep_from] for i, s in enumerate(sequences)]
 
 
-def single_pass(model: LoadedModel, profile: DeterminismProfile, prefix: str, text: str) -> Continuation:
+def single_pass(model: AnyModel, profile: DeterminismProfile, prefix: str, text: str) -> Continuation:
     """Tokenize ``prefix`` as capture does and ``text`` as graft does, run both in one forward
     pass, and return the continuation's logits (what ``kvgraft single-pass`` prints)."""
     prefix_ids = model.tokenizer.encode(prefix, first=True)
@@ -63,6 +64,15 @@ def single_pass(model: LoadedModel, profile: DeterminismProfile, prefix: str, te
             f"{len(prefix_ids) + len(ids)} positions exceed {model.spec.name}'s window of {model.spec.window}",
             hint="use shorter texts",
         )
+    if isinstance(model, LlamaCppModel):
+        # llama.cpp's one call: prefix and continuation in the same llama_decode batches.
+        t0 = time.perf_counter()
+        state = LlamaCppState(model)
+        try:
+            logits = state.extend(prefix_ids + ids, keep_last=len(ids))  # [len(ids), vocab]
+        finally:
+            state.close()
+        return Continuation(logits, len(prefix_ids), ids, time.perf_counter() - t0)
     with applied(profile):
         t0 = time.perf_counter()
         (logits,) = prefill(model, [prefix_ids + ids], keep_from=len(prefix_ids))
