@@ -123,7 +123,9 @@ def evaluate(args: argparse.Namespace, condition: str, model: Any, profile: Any,
     library, fixed = None, None
     if condition != "base":
         directory = args.work / ("lib-fixed" if condition == "fixed" else "lib-similar")
-        library = Library.open(directory, model, profile, trusted=trust_signer(key, None, name="experiment key"))
+        # Threshold 0: this experiment's condition is "the most similar train solution grafted", at any score.
+        library = Library.open(directory, model, profile, trusted=trust_signer(key, None, name="experiment key"),
+                               graft_threshold=0.0)
         if condition == "fixed":
             fixed = json.loads((args.work / "fixed-entry.json").read_text())["artifact"]
 

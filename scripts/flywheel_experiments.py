@@ -83,7 +83,8 @@ def transfer(out: Path, work: Path, size: int, seed: int, budget: int, train_lim
     if not base.exists():
         run(["eval", "--model", MODEL, *common, "--out", str(base)])
     if not lib.exists():
-        run(["eval", "--model", MODEL, *common, "--library", str(library), "--out", str(lib), *TRUST])
+        # Threshold 0: the experiment grafts the most similar train entry at any score (as before issue 39).
+        run(["eval", "--model", MODEL, *common, "--library", str(library), "--graft-threshold", "0", "--out", str(lib), *TRUST])
     b, g = record_predicate(base), record_predicate(lib)
     bc, gc = [i["correct"] for i in b["items"]], [i["correct"] for i in g["items"]]
     return {
