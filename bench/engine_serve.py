@@ -11,8 +11,8 @@ For each model (smollm2-135m, and qwen2.5-coder-0.5b when installed), on 127.0.0
 - after a warm-up request of each kind, each of 1 and 8 concurrent clients (threads, one
   keep-alive ``http.client`` connection each) sends its share of requests of one kind at a time:
   **recall** (a deposited problem, chat completions: the server grafts its entry and decodes the
-  answer box), **similar** (a GSM8K test problem: the most similar entry grafted, then a full
-  solution), **base** (the same test problem through ``/v1/completions`` on the library-less
+  answer box), **similar** (a deposited problem paraphrased, "Please solve: ...": its entry
+  grafted as a worked example, above the graft threshold, then a full solution), **base** (the same test problem through ``/v1/completions`` on the library-less
   server) and **llama** (the same base prompt and budget through llama.cpp's ``/v1/completions``).
   Every answer's status must be 200; kvgraft's must carry its provenance (``kvgraft.method``
   exact/similar/none as asked, an entry digest for recall).
@@ -180,7 +180,9 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any
     ):
         targets = {
             "recall": Target("recall", ports["library"], name, deposited, args.max_tokens),
-            "similar": Target("similar", ports["library"], name, held_out, args.max_tokens),
+            # Paraphrases of deposited problems: a GSM8K test problem is rarely above the graft
+            # threshold (docs/library.md), and below it nothing is grafted (method none).
+            "similar": Target("similar", ports["library"], name, [f"Please solve: {q}" for q in deposited], args.max_tokens),
             "base": Target("base", ports["base"], name, held_out, args.max_tokens),
             "llama": Target("llama", ports["llama"], name, held_out, args.max_tokens),
         }
