@@ -45,6 +45,7 @@ from ._internal.kernel_errors import KernelError, ScheduleError
 from ._internal.kvfile import deserialize, read_kv_file, serialize
 from ._internal.kvstate import KVState, Segment
 from ._internal.library import (
+    GRAFT_THRESHOLD,
     MAX_INDEX_LINE_BYTES,
     NOTHING_GRAFTED,
     Answer,
@@ -127,7 +128,7 @@ __all__ = [
     "TRUSTED_KEYS_ENV", "Trust", "TrustOptionsError", "UnsafeTensorError", "home_trusted_keys_path",
     "local_public_key_path", "read_statement", "resolve_trust", "trust_signer",
     "EvaluationError", "KernelError", "LibraryError", "PROFILE_ALIASES", "ScheduleError", "prefill", "single_pass",
-    "Answer", "GREEDY", "Sampling", "ArtifactError", "Captured", "Hit", "Library", "Continuation", "DEFAULT_PROFILE", "EngineError", "InputTextError", "KVState",
+    "Answer", "GRAFT_THRESHOLD", "GREEDY", "Sampling", "ArtifactError", "Captured", "Hit", "Library", "Continuation", "DEFAULT_PROFILE", "EngineError", "InputTextError", "KVState",
     "KV_FILE", "KvFileError", "LoadedArtifact", "LoadedModel", "MODELS", "ModelFileError", "ModelNotInstalledError",
     "ModelSpec", "PROFILES", "ProfileMismatchError", "STATEMENT_FILE", "Segment", "UnknownModelError", "UnknownProfileError", "applied",
     "cache_dir", "capture", "chain_key", "current_profile", "deserialize", "ensure_cached", "ensure_local_key",

@@ -138,8 +138,7 @@ def main() -> int:
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT.parent))
-    from kvgraft.engine import ProblemIndex
-    from kvgraft.engine._internal.library import GRAFT_THRESHOLD
+    from kvgraft.engine import GRAFT_THRESHOLD, ProblemIndex
 
     train = _questions(DATA / "gsm8k_train.jsonl", "question")[: args.deposited]
     index = ProblemIndex(train)
