@@ -383,8 +383,8 @@ def _require_cpu_flags(name: str, settings: ProfileSettings) -> str:
     ``cpu_flags`` alternatives (where there is no ``/proc/cpuinfo``, nothing is refused here);
     return the hint a refusal gives (the profile to use instead)."""
     instead = f"use --profile {DEFAULT_PROFILE}, the default, which runs on any x86-64 CPU"
-    flags = _cpu_flags()
-    if settings.cpu_flags and flags is not None and not any(set(option) <= flags for option in settings.cpu_flags):
+    flags = _cpu_flags() if settings.cpu_flags else None
+    if flags is not None and not any(set(option) <= flags for option in settings.cpu_flags):
         lacking = [[flag for flag in option if flag not in flags] for option in settings.cpu_flags]
         named = ", or ".join(", ".join(option[:-1]) + " and " + option[-1] if len(option) > 1 else option[0]
                              for option in lacking)

@@ -307,7 +307,9 @@ class ModelSigningBundle(Contract):
     def _null_keyid(cls, data: Any) -> Any:
         # model_signing 1.0.x writes the DSSE keyid as null, 1.1 as "": both mean none.
         envelope = data.get("dsseEnvelope") if isinstance(data, dict) else None
-        signatures = envelope.get("signatures") if isinstance(envelope, dict) else None
+        if not isinstance(envelope, dict):
+            return data
+        signatures = envelope.get("signatures")
         if isinstance(signatures, list) and any(isinstance(sig, dict) and sig.get("keyid", "") is None for sig in signatures):
             fixed = [{k: v for k, v in sig.items() if not (k == "keyid" and v is None)} if isinstance(sig, dict) else sig
                      for sig in signatures]
