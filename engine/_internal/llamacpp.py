@@ -366,9 +366,11 @@ class LlamaCppModel:
         self.ref = ModelRef(name=spec.name, weights_digest=Sha256Digest("sha256:" + str(spec.gguf_sha256)),
                             config_digest=sha256_bytes(canonical_json(self._metadata())))
         self._free = list(range(settings.n_seq_max))
+        # One batch of n_batch rows, filled anew by every decode (llama_batch_init allocates).
+        self._batch = llama_cpp.llama_batch_init(settings.n_batch, 0, 1)
         self.lock = threading.RLock()
         self._shapes = self._probe()
-        weakref.finalize(self, _free_native, llama_cpp, self._ctx, self._model)
+        weakref.finalize(self, _free_native, llama_cpp, self._ctx, self._model, self._batch)
 
     @property
     def parameter_count(self) -> int:
@@ -434,31 +436,28 @@ class LlamaCppModel:
                 self._free.append(seq)
                 self._free.sort()
 
-    def decode(self, rows: list[tuple[int, int, int, bool]]) -> list[torch.Tensor]:
+    def decode(self, rows: list[tuple[int, int, int, bool]]) -> torch.Tensor:
         """Run one llama.cpp batch of ``(token, position, seq, wants_logits)`` rows (at most
-        ``n_batch``); the logits (float32 ``[vocab]``) of the rows that want them, in order."""
+        ``n_batch``); the logits of the rows that want them, in order: float32 ``[wanted, vocab]``
+        (copied once out of llama.cpp's buffer, which the next batch overwrites)."""
         llama_cpp = lib()
-        batch = llama_cpp.llama_batch_init(len(rows), 0, 1)
-        try:
-            for i, (token, pos, seq, wants) in enumerate(rows):
-                batch.token[i] = token
-                batch.pos[i] = pos
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = seq
-                batch.logits[i] = wants
-            batch.n_tokens = len(rows)
-            rc = llama_cpp.llama_decode(self._ctx, batch)
-            if rc != 0:
-                raise LlamaCppError(f"llama_decode failed (code {rc}) on {len(rows)} tokens",
-                                    hint="the context may be full: run fewer or shorter sequences at once")
-            out = []
-            for i, (_, _, _, wants) in enumerate(rows):
-                if wants:
-                    ptr = llama_cpp.llama_get_logits_ith(self._ctx, i)
-                    out.append(torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy()))
-            return out
-        finally:
-            llama_cpp.llama_batch_free(batch)
+        if len(rows) > self.settings.n_batch:
+            raise LlamaCppError(f"{len(rows)} rows in one batch; the context takes {self.settings.n_batch}")
+        batch = self._batch
+        for i, (token, pos, seq, wants) in enumerate(rows):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = wants
+        batch.n_tokens = len(rows)
+        rc = llama_cpp.llama_decode(self._ctx, batch)
+        if rc != 0:
+            raise LlamaCppError(f"llama_decode failed (code {rc}) on {len(rows)} tokens",
+                                hint="the context may be full: run fewer or shorter sequences at once")
+        views = [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, i), shape=(self.vocab_size,))
+                 for i, (_, _, _, wants) in enumerate(rows) if wants]
+        return torch.from_numpy(np.stack(views)) if views else torch.empty(0, self.vocab_size)  # [wanted, vocab]
 
     def seq_state(self, seq: int) -> bytes:
         """``llama_state_seq_get_data`` of sequence ``seq``."""
@@ -490,7 +489,8 @@ class LlamaCppModel:
         return self._shapes
 
 
-def _free_native(llama_cpp: ModuleType, ctx: Any, model: Any) -> None:
+def _free_native(llama_cpp: ModuleType, ctx: Any, model: Any, batch: Any) -> None:
+    llama_cpp.llama_batch_free(batch)
     llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(model)
 
@@ -552,9 +552,9 @@ class LlamaCppState:
         with self.model.lock:
             for at in range(0, len(ids), step):
                 part = ids[at:at + step]
-                rows += self.model.decode([(t, self.end + at + i, self.seq, at + i >= first_kept) for i, t in enumerate(part)])
+                rows.append(self.model.decode([(t, self.end + at + i, self.seq, at + i >= first_kept) for i, t in enumerate(part)]))
         self.token_ids.extend(ids)
-        return torch.stack(rows)  # [rows, vocab]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)  # [rows, vocab]
 
     def raw_state(self) -> bytes:
         """llama.cpp's own bytes for this sequence."""
@@ -679,7 +679,7 @@ class LlamaCppBatch:
             logits = self.model.decode([(t, s.end, s.seq, True) for t, s in zip(tokens, self.rows, strict=True)])
         for t, s in zip(tokens, self.rows, strict=True):
             s.token_ids.append(t)
-        return torch.stack(logits)
+        return logits  # [rows, vocab]
 
 
 @contextlib.contextmanager
