@@ -18,19 +18,27 @@ tokens/s are medians over runs; ``decode_ratio`` and ``prefill_ratio`` are ours 
 (target: >= 0.95). Both compute with the same library on the same cells, so the ratio is what
 the engine's own Python costs per step.
 
+**serve** (``--serve-clients``, default 8): ``kvgraft engine serve --profile llamacpp-cpu``
+(no library: base answers) against llama.cpp's own ``llama-server`` (``-np`` as many slots as
+clients, the same threads), both on the same GGUF; each client sends ``--serve-requests`` GSM8K
+test problems through ``/v1/completions`` (greedy, ``--serve-max-tokens``), after one warm-up.
+``serve_ratio`` is engine serve's decode tokens/s over llama-server's (target: >= 0.9).
+
     .venv/bin/python bench/llamacpp.py [--models smollm2-135m] [--runs 5] [--tokens 64]
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import RESULTS, machine, say, write_result
+from common import KVGRAFT, RESULTS, free_port, machine, say, server_process, write_result
+from engine_serve import TEST, Target, _measure, _questions
 
 from kvgraft.engine import MODELS, current_profile, is_installed, load_model_for, locate_gguf, spec_for
 from kvgraft.engine._internal import llamacpp
@@ -176,6 +184,28 @@ def bench_model(name: str, runs: int, tokens: int, prompt_tokens: int) -> dict[s
     return out
 
 
+def serve_model(name: str, clients: int, requests: int, max_tokens: int, tmp: Path) -> dict[str, Any]:
+    """engine serve (llamacpp-cpu, base answers) against llama-server, ``clients`` at once."""
+    ports = {"base": free_port(), "llama": free_port()}
+    questions = _questions(TEST, clients * requests)
+    serve = [*KVGRAFT, "engine", "serve", "--model", name, "--profile", "llamacpp-cpu", "--log-level", "warning",
+             "--host", "127.0.0.1", "--request-timeout", "1200", "--max-queue", str(4 * clients), "--port", str(ports["base"])]
+    server = [str(llamacpp.server_binary()), "-m", str(locate_gguf(spec_for(name))), "--host", "127.0.0.1", "--port", str(ports["llama"]),
+              "-np", str(clients), "-c", str(llamacpp.SETTINGS.n_ctx), "-t", str(llamacpp.SETTINGS.threads), "--alias", "llama"]
+    with (server_process(serve, tmp / "serve.log", ports["base"], "/v1/models", seconds=600),
+          server_process(server, tmp / "llama-server.log", ports["llama"], "/health", seconds=600)):
+        rows = {}
+        for kind in ("base", "llama"):
+            target = Target(kind, ports[kind], name, questions, max_tokens)
+            _measure(target, 1, 1)  # warm
+            rows[kind] = _measure(target, clients, requests)
+    rate = {k: r["mean_decode_tokens"] * r["requests"] / r["wall_s"] for k, r in rows.items()}
+    return {"model": name, "clients": clients, "requests_per_client": requests, "max_tokens": max_tokens,
+            "tokens_per_s": {"engine_serve": round(rate["base"], 2), "llama_server": round(rate["llama"], 2)},
+            "p50_s": {"engine_serve": rows["base"]["p50_s"], "llama_server": rows["llama"]["p50_s"]},
+            "serve_ratio": round(rate["base"] / rate["llama"], 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=[m for m in ("smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m", "qwen2.5-coder-1.5b")
@@ -183,20 +213,31 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--serve-clients", type=int, default=8)
+    ap.add_argument("--serve-requests", type=int, default=4, help="requests per client")
+    ap.add_argument("--serve-max-tokens", type=int, default=48)
     ap.add_argument("--quick", action="store_true", help="small sizes: checks the script runs")
     args = ap.parse_args()
     if args.quick:
         args.models, args.runs, args.tokens, args.prompt_tokens = args.models[:1], 2, 8, 64
+        args.serve_requests, args.serve_max_tokens = 1, 8
     rows = []
     for name in args.models:
         say(f"llamacpp: {name}")
         rows.append(bench_model(name, args.runs, args.tokens, args.prompt_tokens))
         say(f"  {rows[-1]['tokens_per_s']} decode_ratio {rows[-1]['decode_ratio']} prefill_ratio {rows[-1]['prefill_ratio']}")
+    serve = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models[:2]:  # the two models engine_serve.py measures
+            say(f"llamacpp: serve {name}, {args.serve_clients} clients")
+            serve.append(serve_model(name, args.serve_clients, args.serve_requests, args.serve_max_tokens, Path(tmp)))
+            say(f"  {serve[-1]['tokens_per_s']} serve_ratio {serve[-1]['serve_ratio']}")
     result = {"machine": machine(), "profile": current_profile("llamacpp-cpu").model_dump(mode="json"), "runs": args.runs,
               "target": {"decode_ratio_min": 0.95, "serve_ratio_min": 0.9},
               "rows": rows,
               "decode_ratio": {r["model"]: r["decode_ratio"] for r in rows},
-              "prefill_ratio": {r["model"]: r["prefill_ratio"] for r in rows}}
+              "prefill_ratio": {r["model"]: r["prefill_ratio"] for r in rows},
+              "serve": serve, "serve_ratio": {r["model"]: r["serve_ratio"] for r in serve}}
     write_result("llamacpp", result)
     say(f"wrote {RESULTS / 'llamacpp.json'}")
 

@@ -27,7 +27,7 @@ from common import RESULTS, ROOT, say
 THREADED = ("restore_floor", "invariant_profile", "ttft")
 #: In the order they run: the quick ones first, the store last (it grows the library longest).
 SUITE = ("verifier_throughput", "restore_floor", "registry_throughput", "registry_reads", "registry_publish", "invariant_profile", "ttft",
-         "store_scaling", "engine_serve")
+         "store_scaling", "engine_serve", "llamacpp")
 
 
 def _load(name: str) -> dict[str, Any] | None:
@@ -103,6 +103,17 @@ def table() -> list[str]:
             target = (f"<= {t['recall_p50_s_max']:g} s; >= {t['base_over_recall_min']:g}x" if m["model"] == t["model"] else "(measured)")
             add("engine_serve", f"recall p50, 1 client, {m['model']}; base / recall p50",
                 f"{s['recall_p50_s']:.3f} s; {s['base_over_recall_p50']:.1f}x (llama.cpp base / recall {s['llama_over_recall_p50']:.1f}x)", target)
+    r = _load("llamacpp")
+    if r:
+        for row in r["rows"]:
+            for n, ratio in row["decode_ratio"].items():
+                add("llamacpp", f"engine (llamacpp-cpu) / llama.cpp decode tokens/s, {n} seq, {row['model']}", f"{ratio:.2f}x",
+                    f">= {r['target']['decode_ratio_min']:g}x")
+            add("llamacpp", f"engine (llamacpp-cpu) / llama.cpp prefill tokens/s, {row['model']}", f"{row['prefill_ratio']:.2f}x",
+                f">= {r['target']['decode_ratio_min']:g}x")
+        for row in r.get("serve", []):
+            add("llamacpp", f"engine serve / llama-server tokens/s, {row['clients']} clients, {row['model']}", f"{row['serve_ratio']:.2f}x",
+                f">= {r['target']['serve_ratio_min']:g}x")
     r = _load("verifier_throughput")
     if r:
         add("verifier_throughput", "verifier hashing / sha256sum", f"{r['hashing']['ratio_verifier_over_sha256sum']:.2f}x", ">= 0.8x")
