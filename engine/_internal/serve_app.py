@@ -229,7 +229,8 @@ class _Job:
         self.sent = ""
         self._first_token = True
         self._served: _Served | None = None
-        #: Called once when the worker is done with this job (``_Served.admit`` gives the client's share back).
+        #: Called once when the worker is done with this job or it is cancelled (``_Served.admit``
+        #: gives the client's share back).
         self.on_finish: Callable[[], None] | None = None
         send, receive = anyio.create_memory_object_stream[str](max_buffer_size=math.inf)
         self._deltas_send: MemoryObjectSendStream[str] = send
@@ -240,8 +241,17 @@ class _Job:
         return max(self.deadline - time.monotonic(), 0.0)
 
     def cancel(self) -> None:
-        """Stop this job: skipped when still queued, its decoding ended at the next token when running."""
+        """Stop this job: skipped when still queued, its decoding ended at the next token when
+        running. Its client's share is given back now: the client has its answer (a timeout, a
+        hang-up), and what is left of the job ends within a token."""
         self.cancelled = True
+        self.release()
+
+    def release(self) -> None:
+        """Give the job's client its share back (``_Served.admit``), once."""
+        if self.on_finish is not None:
+            release, self.on_finish = self.on_finish, None
+            release()
 
     def cut(self, text: str) -> tuple[str, bool]:
         """``text`` up to the first stop string (cut off, as OpenAI does) and whether one occurs."""
@@ -331,9 +341,7 @@ class _Job:
     def finish(self) -> None:
         """The worker is done with this job (run or skipped): close its deltas, wake its handler,
         give its client's share back."""
-        if self.on_finish is not None:
-            release, self.on_finish = self.on_finish, None
-            release()
+        self.release()
         self._deltas_send.close()
         self.started.set()
         self.done.set()
