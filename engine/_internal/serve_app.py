@@ -215,6 +215,8 @@ class _Job:
         self.timeout = timeout
         self.cancelled = False
         self.timed_out = False
+        #: Set (on the loop) when the worker starts running this job.
+        self.running = False
         self.started = anyio.Event()
         self.done = anyio.Event()
         self.answer: Answer | None = None
@@ -242,10 +244,13 @@ class _Job:
 
     def cancel(self) -> None:
         """Stop this job: skipped when still queued, its decoding ended at the next token when
-        running. Its client's share is given back now: the client has its answer (a timeout, a
-        hang-up), and what is left of the job ends within a token."""
+        running. A running job gives its client's share back now: the client has its answer (a
+        timeout, a hang-up), and what is left of it ends within a token. A queued one keeps it
+        until the worker skips it: requests sent and given up at once still count against their
+        client's share, never against everyone's queue."""
         self.cancelled = True
-        self.release()
+        if self.running:
+            self.release()
 
     def release(self) -> None:
         """Give the job's client its share back (``_Served.admit``), once."""
@@ -374,6 +379,7 @@ async def _worker(served: _Served, jobs: MemoryObjectReceiveStream[_Job]) -> Non
                     job.error = job.timeout_error()
                     continue
                 served.running = True
+                job.running = True
                 # Not abandoned on cancellation: the thread ends at its next token (on_token sees
                 # stopping), and the next job never starts while a forward pass still runs.
                 await anyio.to_thread.run_sync(job.run, served)
