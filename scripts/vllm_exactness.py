@@ -10,8 +10,8 @@ Run with .venv-vllm's python (``make vllm``)::
 ``--mode connector`` (the default) writes the record. Each sample is a prompt drawn as kvgraft's own
 experiment draws prefixes (whole GSM8K and AIME 2025 documents from data/datasets/, picked by a
 seeded RNG, cut to a target length; targets spread evenly over ``[--min-tokens, --max-tokens]``).
-vLLM runs it cold (vLLM's prefix cache off and the store empty for this prompt: nothing is loaded,
-its blocks are saved), then again warm: the connector must load every usable block
+vLLM runs it cold (vLLM's prefix cache off and the connector's store, a temporary directory of its
+own, emptied after every sample: nothing is loaded, its blocks are saved), then again warm: the connector must load every usable block
 (``num_cached_tokens`` says so, else the run stops). Each run decodes ``--continuation`` tokens
 greedily and returns the full-vocabulary raw logits of every step (``logprobs_mode="raw_logits"``,
 ``logprobs=-1``); the record compares their SHA-256, KL divergence and argmax, with the verifier's
@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -180,7 +181,8 @@ def run_connector(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="vllm-exactness-"))
     trusted = work / "trusted-keys.json"
     trusted.write_text(json.dumps(TrustedKeys(keys=(trusted_key("exactness", signer.public_key),)).to_json()))
-    store = args.store or work / "store"
+    store = work / "store"  # its own: it is emptied after every sample
+    binding_predicate = None
     llm = make_llm(args.model, {"store": str(store), "key": str(args.key), "trusted_keys": str(trusted)}, prefix_cache=False)
     prompts = draw_prompts(llm.get_tokenizer(), args.samples, args.seed, args.min_tokens, args.max_tokens)
     started = time.monotonic()
@@ -193,14 +195,21 @@ def run_connector(args: argparse.Namespace) -> int:
             usable = (len(ids) - 1) // BLOCK * BLOCK
             if cold_cached != 0 or warm_cached != usable:
                 sys.stderr.write(f"sample {index}: {len(ids)} prompt tokens, cold loaded {cold_cached}, warm loaded {warm_cached} "
-                                 f"(want 0 and {usable}): not a cold/warm pair; is the store shared with another run?\n")
-                return 1
-            artifact = None if usable == 0 else "sha256:" + last_block(store, ids).subject[0].digest.sha256
+                                 f"(want 0 and {usable}): not a cold/warm pair\n")
+                raise SystemExit(1)  # an exception: the staged record directory is discarded, nothing appears at --out
+            last = last_block(store, ids)
+            if index == len(prompts) - 1:
+                binding_predicate = last.predicate
+            artifact = "sha256:" + last.subject[0].digest.sha256
             samples.append(compare(index, ids, (cold_ids, cold_logits), (warm_ids, warm_logits), stage.path, artifact))
+            # Prompts drawn from the same documents share prefixes: empty the store, so that the next
+            # sample's cold run is cold (vLLM's prefix cache is off, so nothing else is cached).
+            for block in store.iterdir():
+                shutil.rmtree(block)
             s = samples[-1]
             sys.stderr.write(f"sample {index + 1}/{len(prompts)}: {len(ids)} prompt tokens, {warm_cached} loaded, "
                              f"sha256 {'equal' if s.bitwise_equal else 'DIFFERENT'}, KL {s.kl_divergence:.3g}\n")
-        p = last_block(store, prompts[-1]).predicate
+        p = binding_predicate
         binding = p.binding
         complete = Path(args.model) / "COMPLETE"
         weights = ("sha256:" + complete.read_text().strip()) if complete.is_file() and complete.read_text().strip() else binding.weights_digest
@@ -270,7 +279,6 @@ def main() -> int:
     parser.add_argument("--out", required=True, type=Path, help="the new record directory (connector) or JSON file (prefix-cache)")
     parser.add_argument("--mode", choices=["connector", "prefix-cache"], default="connector")
     parser.add_argument("--key", type=Path, help="PEM private key that signs the record and the blocks (connector mode)")
-    parser.add_argument("--store", type=Path, help="block store (default: a fresh temporary directory)")
     parser.add_argument("--samples", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-tokens", type=int, default=40)

@@ -113,6 +113,16 @@ def test_block_signed_for_another_model_is_refused_regression_other_model(runs: 
     assert refusals == [first["forged_block"]]
 
 
+def test_block_deleted_from_the_store_is_saved_again_regression_retired_block(runs: dict[str, Any]) -> None:
+    # The engine remembered, for its whole life, the blocks it had queued for saving, so a block
+    # deleted from the store was never saved again (found by the exactness run, which empties its store).
+    first = runs["first"]
+    after = first["after_retire"]
+    assert first["retired_block_back"] is True
+    assert after[3]["num_cached_tokens"] == 3 * BLOCK
+    assert [_same(c, a) for c, a in zip(first["cold"], after, strict=True)] == [True] * PROMPTS
+
+
 def test_fresh_engine_prefix_cache_off_chunked_prefill_loads_the_store(runs: dict[str, Any]) -> None:
     cold, warm = runs["first"]["cold"], runs["second"]["warm"]
     # vLLM's own prefix cache is off here, so every cached token came from the connector: prompts 0

@@ -7,7 +7,7 @@ and the connector's log to stderr. Two phases share one store:
   in the first step, so nothing can be loaded (it saves their blocks); the same batch warm after the engine's own prefix cache is reset (it loads
   them); the batch again after one byte of a stored tensor file of prompt 0 is changed; and again
   after a block of prompt 1 is replaced by a block signed by a trusted key for another model. The
-  batch is always run whole: vLLM's CPU build is not batch-invariant (prompt 0 decoded alone
+  batch is always run whole (and once more after a block of prompt 3 is deleted from the store): vLLM's CPU build is not batch-invariant (prompt 0 decoded alone
   differs from prompt 0 decoded beside five others in the last bits of its logprobs, measured).
 - ``second`` (a fresh engine, prefix caching off, chunked prefill in 64-token chunks): the batch
   once more, warm from the store; then prompt 2 with a ``cache_salt``.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,14 @@ def main() -> int:
         result["forged_block"] = forged.name
         llm.reset_prefix_cache()
         result["after_forge"] = run(llm, texts)
+        # A block retired from the store (deleted) while the engine runs is saved again by the
+        # next request that computes it.
+        retired = block_of(args.store, llm, texts[3], 3)
+        shutil.rmtree(retired)
+        llm.reset_prefix_cache()
+        result["after_retire"] = run(llm, texts)
+        result["retired_block"] = retired.name
+        result["retired_block_back"] = retired.is_dir()
     else:
         result["warm"] = run(llm, texts)
         # A request with its own cache salt asked not to share KV: the connector loads nothing for it.

@@ -67,9 +67,6 @@ if TYPE_CHECKING:
 #: Under vLLM's logger, so that vLLM's handler and --log-level (VLLM_LOGGING_LEVEL) apply.
 logger = init_logger("vllm.kvgraft")
 
-#: Chain keys queued for saving, remembered so that requests sharing a prefix queue a block once
-#: (the worker writes it at the end of the step; the store answers from then on).
-_QUEUED_KEYS: Final = 65536
 #: Refusals logged, remembered so that each is logged once.
 _LOGGED_REFUSALS: Final = 65536
 #: Environment variables that change how the CPU build computes (thread binding and count).
@@ -230,7 +227,6 @@ class KvgraftConnector(KVConnectorBase_V1):
             self._binding_digest = binding_digest(self._binding)
             self._requests: dict[str, _RequestState] = {}
             self._loads: list[BlockLoad] = []
-            self._queued: OrderedDict[Sha256Digest, None] = OrderedDict()
             logger.info("kvgraft: connector on %s (binding %s, block size %d, %s); store %s; %s",
                            self._binding.model_name, self._binding_digest, self._block_size, self._binding.attention_backend,
                            self._store, "saving signed blocks" if self._settings.key else "read-only (no key)")
@@ -317,6 +313,10 @@ class KvgraftConnector(KVConnectorBase_V1):
         """This step's loads, and the blocks completed in this step that the store lacks."""
         meta = KvgraftConnectorMetadata(loads=self._loads)
         self._loads = []
+        # Requests sharing a prefix queue a block once per step; the worker writes it at the end of the
+        # step, and from then on the store answers. Kept for this step only: a block deleted from the
+        # store later (retired) is saved again by the next request that computes it.
+        queued: set[Sha256Digest] = set()
         if not self._settings.key or not self._kv_transfer_config.is_kv_producer:  # read-only, or kv_role "kv_consumer"
             return meta
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -329,16 +329,14 @@ class KvgraftConnector(KVConnectorBase_V1):
             block_ids: list[int] | None = None
             for index in range(state.saved, done):
                 claim = self._claim(state, index)
-                if claim.key in self._queued or block_dir(self._store, claim.key).is_dir():
+                if claim.key in queued or block_dir(self._store, claim.key).is_dir():
                     continue
                 if block_ids is None:
                     if self._kv_cache_manager is None:
                         raise ConnectorError("vLLM bound no KV cache manager to the connector", hint="use vLLM 0.32")
                     block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
                 meta.saves.append(BlockSave(block_ids[index], claim))
-                self._queued[claim.key] = None
-                if len(self._queued) > _QUEUED_KEYS:
-                    self._queued.popitem(last=False)
+                queued.add(claim.key)
             state.saved = max(state.saved, done)
         return meta
 
