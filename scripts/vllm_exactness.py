@@ -84,6 +84,12 @@ def draw_prompts(tokenizer: Any, samples: int, seed: int, min_tokens: int, max_t
     return prompts
 
 
+def loadable(prompt_tokens: int) -> int:
+    """Tokens the connector loads for a stored prompt (its _loadable_blocks: at least two are computed)."""
+    blocks = (prompt_tokens - 1) // BLOCK
+    return (blocks - 1 if blocks > 0 and prompt_tokens - blocks * BLOCK == 1 else blocks) * BLOCK
+
+
 def generate(llm: Any, ids: list[int], steps: int) -> tuple[list[int], np.ndarray, int]:
     """Greedy ``steps`` tokens: their ids, the raw logits of every step ``[steps, vocab]``, cached tokens."""
     from vllm import SamplingParams, TokensPrompt
@@ -123,7 +129,7 @@ def last_block(store: Path, ids: list[int]) -> Any:
 
     some = next(p for p in sorted(store.iterdir()) if p.is_dir() and not p.name.startswith("."))
     p = statement(some).predicate
-    blocks = (len(ids) - 1) // p.binding.block_size
+    blocks = loadable(len(ids)) // p.binding.block_size
     return statement(block_dir(store, chain_keys(p.binding_digest, ids, p.binding.block_size, blocks)[-1]))
 
 
@@ -192,7 +198,7 @@ def run_connector(args: argparse.Namespace) -> int:
             cold_ids, cold_logits, cold_cached = generate(llm, ids, args.continuation)
             warm_ids, warm_logits, warm_cached = generate(llm, ids, args.continuation)
             vocab = int(cold_logits.shape[1])
-            usable = (len(ids) - 1) // BLOCK * BLOCK
+            usable = loadable(len(ids))
             if cold_cached != 0 or warm_cached != usable:
                 sys.stderr.write(f"sample {index}: {len(ids)} prompt tokens, cold loaded {cold_cached}, warm loaded {warm_cached} "
                                  f"(want 0 and {usable}): not a cold/warm pair\n")

@@ -3,14 +3,18 @@
 Called by test_vllm_connector.py; writes one JSON document of what it saw to --out, and vLLM's
 and the connector's log to stderr. Two phases share one store:
 
-- ``first`` (prefix caching on): a cold batch of prompts sharing a prefix, all at once and all
-  in the first step, so nothing can be loaded (it saves their blocks); the same batch warm after the engine's own prefix cache is reset (it loads
-  them); the batch again after one byte of a stored tensor file of prompt 0 is changed; and again
-  after a block of prompt 1 is replaced by a block signed by a trusted key for another model. The
-  batch is always run whole (and once more after a block of prompt 3 is deleted from the store): vLLM's CPU build is not batch-invariant (prompt 0 decoded alone
-  differs from prompt 0 decoded beside five others in the last bits of its logprobs, measured).
-- ``second`` (a fresh engine, prefix caching off, chunked prefill in 64-token chunks): the batch
-  once more, warm from the store; then prompt 2 with a ``cache_salt``.
+- ``first`` (prefix caching on): each prompt cold (they share a prefix; prompt 0 is the first, so
+  it loads nothing), saving their blocks; each again warm after the engine's own prefix cache is
+  reset (they load them); again after one byte of a stored tensor file of prompt 0 is changed;
+  again after a block of prompt 1 is replaced by a block signed by a trusted key for another
+  model; again after a block of prompt 3 is deleted from the store; then a 97-token prompt cold
+  and warm.
+- ``second`` (a fresh engine, prefix caching off, chunked prefill in 64-token chunks): each prompt
+  warm from the store; then all six at once; then prompt 2 with a ``cache_salt``.
+
+Prompts run one at a time except in the batch: vLLM's CPU build is not batch-invariant (a prompt
+decoded alone and beside five others differ in the last bits of their logprobs), and which
+requests the engine groups depends on when they arrive.
 
 Each generation records token ids, the top-k logprobs of every step, and num_cached_tokens.
 """
@@ -45,17 +49,28 @@ def prompts() -> list[str]:
     return [SHARED + q + " I have an hour before my train leaves, so " + q.lower() for q in QUESTIONS]
 
 
-def run(llm: Any, texts: list[Any]) -> list[dict[str, Any]]:
+def _record(out: Any) -> dict[str, Any]:
+    completion = out.outputs[0]
+    steps = [sorted((int(t), float(lp.logprob)) for t, lp in step.items()) for step in (completion.logprobs or [])]
+    return {"prompt_tokens": len(out.prompt_token_ids or []), "token_ids": list(completion.token_ids),
+            "logprobs": steps, "num_cached_tokens": int(out.num_cached_tokens or 0)}
+
+
+def _params() -> Any:
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=TOP_LOGPROBS)
-    results = []
-    for out in llm.generate(texts, params, use_tqdm=False):
-        completion = out.outputs[0]
-        steps = [sorted((int(t), float(lp.logprob)) for t, lp in step.items()) for step in (completion.logprobs or [])]
-        results.append({"prompt_tokens": len(out.prompt_token_ids or []), "token_ids": list(completion.token_ids),
-                        "logprobs": steps, "num_cached_tokens": int(out.num_cached_tokens or 0)})
-    return results
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=TOP_LOGPROBS)
+
+
+def run(llm: Any, texts: list[Any]) -> list[dict[str, Any]]:
+    """Each prompt alone, one after another: the same batch shape every time, so bits compare."""
+    return [_record(llm.generate([text], _params(), use_tqdm=False)[0]) for text in texts]
+
+
+def run_batch(llm: Any, texts: list[Any]) -> list[dict[str, Any]]:
+    """Every prompt at once. vLLM's CPU build is not batch-invariant and how the engine groups
+    requests that arrive together depends on timing, so batched logprobs compare only closely."""
+    return [_record(out) for out in llm.generate(texts, _params(), use_tqdm=False)]
 
 
 def block_of(store: Path, llm: Any, text: str, index: int) -> Path:
@@ -113,9 +128,8 @@ def main() -> int:
     config = KVTransferConfig(kv_connector="KvgraftConnector", kv_connector_module_path="kvgraft.integrations.vllm",
                               kv_role="kv_both", kv_connector_extra_config={
                                   "store": str(args.store), "key": str(args.key), "trusted_keys": args.trusted_keys})
-    # first: every prompt of the batch in the first step (so the cold run loads nothing: the store is
-    # still empty when they are scheduled), the engine's prefix cache on. second: chunked prefill in
-    # chunks of 64 tokens (each prompt takes several steps), the prefix cache off.
+    # first: the engine's prefix cache on, whole prompts in one step. second: the prefix cache off,
+    # chunked prefill in chunks of 64 tokens (each prompt takes several steps).
     first = args.phase == "first"
     llm = LLM(model=args.model, dtype="float32", max_model_len=512, block_size=32, enforce_eager=True,
               enable_prefix_caching=first, enable_chunked_prefill=True, max_num_batched_tokens=2048 if first else 64,
@@ -145,8 +159,19 @@ def main() -> int:
         result["after_retire"] = run(llm, texts)
         result["retired_block"] = retired.name
         result["retired_block_back"] = retired.is_dir()
+        # A prompt one token past a block boundary (97 = 3 * 32 + 1 tokens, its own first block),
+        # alone, cold and then warm: the connector loads 2 blocks, not 3, so that the warm step
+        # computes 33 tokens as a prefill and not 1 token with the decode kernels.
+        from vllm import TokensPrompt
+
+        ids = llm.get_tokenizer().encode("Unrelated question first. " + texts[5])[:97]
+        llm.reset_prefix_cache()
+        result["boundary_cold"] = run(llm, [TokensPrompt(prompt_token_ids=ids)])
+        llm.reset_prefix_cache()
+        result["boundary_warm"] = run(llm, [TokensPrompt(prompt_token_ids=ids)])
     else:
         result["warm"] = run(llm, texts)
+        result["batch"] = run_batch(llm, texts)
         # A request with its own cache salt asked not to share KV: the connector loads nothing for it.
         result["salted"] = run(llm, [{"prompt": texts[2], "cache_salt": "tenant-a"}])
     args.out.write_text(json.dumps(result))
