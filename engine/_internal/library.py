@@ -64,7 +64,7 @@ from kvgraft.verifier import Dataset, TrustedKeys, extract_answer, grade, write_
 
 from .artifacts import LoadedArtifact, load_artifact
 from .errors import ContextWindowError, InputTextError, LibraryError, NoTrustedKeysError
-from .ops import GREEDY, AnyModel, Decoded, DecodeJob, Sampling, capture, continue_from
+from .ops import GREEDY, AnyModel, Decoded, DecodeJob, Sampling, capture, continue_from, decode_batch
 from .profiles import PROFILE_ALIASES
 from .trust import trust_signer
 
@@ -499,6 +499,52 @@ def ask_model(model: AnyModel, profile: DeterminismProfile, question: str, *, ma
         seconds=time.perf_counter() - t0, energy_joules=joules, energy_method=method, signature=NOTHING_GRAFTED,
         stopped_by=decoded.stopped_by, seed=None if sampling.greedy else sampling.seed,
     )
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question for ``ask_model_batch``: what ``ask_model`` takes, as a value."""
+
+    question: str
+    max_new_tokens: int = 256
+    stop: Callable[[str], bool] | None = None
+    sampling: Sampling = GREEDY
+
+
+def ask_model_batch(model: AnyModel, profile: DeterminismProfile, questions: Sequence[Question]) -> list[Answer]:
+    """``ask_model`` for many questions at once, decoded together (``decode_batch``: one forward
+    pass, or one llama.cpp batch, per step for every unfinished question); the answers in order.
+    Each is what ``ask_model`` reports, but for the numbers of a batched run (see ``KVBatch``) and
+    the energy, measured once for the batch and shared by tokens. Every question is tokenized and
+    checked against the window first: one that is refused refuses the batch before it runs."""
+    t0 = time.perf_counter()
+    energy = EnergyMeter(_parameters(model))
+    energy.start()
+    ids = []
+    for q in questions:
+        tokens = model.tokenizer.encode(q.question, first=True)
+        if not tokens:
+            raise InputTextError("the question tokenizes to no tokens", hint="ask a question with some text")
+        _check_window(model, 0, tokens)
+        ids.append(tokens)
+    decoded: dict[int, Decoded] = {}
+    jobs = [DecodeJob(None, t, max_new_tokens=q.max_new_tokens, keep_eos=False, stop=q.stop, sampling=q.sampling)
+            for q, t in zip(questions, ids, strict=True)]
+    decode_batch(model, profile, jobs, batch=len(jobs), on_done=decoded.__setitem__)
+    total = sum(len(t) + len(d.tokens) for t, d in zip(ids, (decoded[i] for i in range(len(jobs))), strict=True))
+    joules, method = energy.stop(total)
+    seconds = time.perf_counter() - t0
+    answers = []
+    for i, (q, t) in enumerate(zip(questions, ids, strict=True)):
+        d = decoded[i]
+        answers.append(Answer(
+            question=q.question, kind="unassisted", finished=d.stopped_by == "eos", answer=None, text=d.text,
+            prompt=q.question, entry=None, method="none", score=0.0,
+            prompt_tokens=len(t), decode_tokens=len(d.tokens), context_tokens=len(t),
+            seconds=seconds, energy_joules=joules * (len(t) + len(d.tokens)) / max(total, 1), energy_method=method,
+            signature=NOTHING_GRAFTED, stopped_by=d.stopped_by, seed=None if q.sampling.greedy else q.sampling.seed,
+        ))
+    return answers
 
 
 def lookup_all(libraries: Sequence[Library], question: str) -> tuple[Library, Hit] | None:

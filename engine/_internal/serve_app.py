@@ -87,7 +87,8 @@ from .errors import (
     RouteNotFoundError,
     ServerStoppingError,
 )
-from .library import Answer, Library, answer_kind, ask_model, grafted_hit, lookup_all
+from .library import Answer, Library, Question, answer_kind, ask_model, ask_model_batch, grafted_hit, lookup_all
+from .llamacpp import LlamaCppModel
 from .ops import GREEDY, AnyModel, Sampling, load_model_for
 from .profiles import current_profile
 from .serve import LOGGER, ServeConfig
@@ -369,23 +370,70 @@ def _scrub(text: str) -> str:
 
 
 async def _worker(served: _Served, jobs: MemoryObjectReceiveStream[_Job]) -> None:
-    """The one model worker: each job in order, in a thread, one at a time (see the module docstring)."""
+    """The one model worker: each job in order, in a thread, one at a time (see the module
+    docstring); on llama.cpp without a library, the base answers waiting at once are decoded
+    together, one llama.cpp batch per step (``_run_together``)."""
+    together = isinstance(served.model, LlamaCppModel) and not served.libraries
+    limit = served.model.settings.n_seq_max if isinstance(served.model, LlamaCppModel) else 1
     async with jobs:
-        async for job in jobs:
+        async for first in jobs:
+            batch = [first]
+            while together and len(batch) < limit:
+                try:
+                    batch.append(jobs.receive_nowait())
+                except anyio.WouldBlock:
+                    break
             try:
-                if job.cancelled or served.stopping:
-                    continue
-                if job.remaining() <= 0:
-                    job.error = job.timeout_error()
-                    continue
+                live = []
+                for job in batch:
+                    if job.cancelled or served.stopping:
+                        continue
+                    if job.remaining() <= 0:
+                        job.error = job.timeout_error()
+                        continue
+                    live.append(job)
                 served.running = True
-                job.running = True
+                for job in live:
+                    job.running = True
                 # Not abandoned on cancellation: the thread ends at its next token (on_token sees
                 # stopping), and the next job never starts while a forward pass still runs.
-                await anyio.to_thread.run_sync(job.run, served)
+                if len(live) > 1:
+                    await anyio.to_thread.run_sync(_run_together, live, served)
+                elif live:
+                    await anyio.to_thread.run_sync(live[0].run, served)
             finally:
                 served.running = False
-                job.finish()
+                for job in batch:
+                    job.finish()
+
+
+def _run_together(jobs: list[_Job], served: _Served) -> None:
+    """Base answers (no library) of several jobs decoded together (``ask_model_batch``), in the
+    worker's thread. A job with several choices, or a batch one of whose questions is refused
+    before decoding (empty, past the window), runs alone instead (``_Job.run``: its own error)."""
+    single = [job for job in jobs if job.n == 1]
+    for job in jobs:
+        if job.n != 1:
+            job.run(served)
+    if not single:
+        return
+    for job in single:
+        job._served = served  # what on_token reads to stop when the server stops
+    try:
+        answers = ask_model_batch(served.model, served.profile, [
+            Question(job.question, max_new_tokens=job.max_tokens, stop=job.on_token, sampling=job.sampling) for job in single])
+    except InputTextError:
+        for job in single:
+            job.run(served)
+        return
+    except Exception as e:
+        logger.error("the model worker failed", exc_info=e)
+        for job in single:
+            job.error = _caused(EngineServerError("the model worker failed to answer this request"), e)
+        return
+    for job, answer in zip(single, answers, strict=True):
+        job.answers = [answer]
+        job.answer = answer
 
 
 # --- requests ------------------------------------------------------------------------------------

@@ -215,3 +215,36 @@ def test_decode_state_refuses_bytes_past_the_last_cache() -> None:
         llamacpp.decode_state(data[:-1], 1)
     with pytest.raises(ArtifactError, match="not a llama.cpp sequence state"):
         llamacpp.decode_state(b"\0" * 8 + data[8:], 1)
+
+
+def test_engine_serve_decodes_concurrent_base_answers_together(tmp_path: Path) -> None:
+    """engine serve under llamacpp-cpu, no library: 6 clients at once all get a base answer (the
+    worker decodes the waiting ones together; a batched row's numbers are not an exactness claim,
+    so the texts are not compared with a lone run's)."""
+    import concurrent.futures
+
+    import httpx
+
+    from tests.engine.test_engine_serve import EngineServer
+    server = EngineServer(tmp_path / "serve.log", "--model", "smollm2-135m", "--profile", "llamacpp-cpu")
+    try:
+        server.wait_ready(timeout=300)
+        questions = [f"Once upon a time, in a {place}, there lived a" for place in
+                     ("small house by the sea", "castle on a hill", "small house by the sea", "forest", "busy city", "desert")]
+
+        def ask(q: str) -> dict[str, object]:
+            r = httpx.post(f"{server.url}/v1/completions", timeout=300,
+                           json={"model": "smollm2-135m", "prompt": q, "max_tokens": 12, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return dict(r.json())
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(ask, questions))
+        for a in answers:
+            prov = dict(a["kvgraft"])  # type: ignore[arg-type]
+            assert prov["kind"] == "unassisted" and prov["method"] == "none"
+            assert int(dict(a["usage"])["completion_tokens"]) > 0  # type: ignore[arg-type]
+        texts = [list(a["choices"])[0]["text"] for a in answers]  # type: ignore[call-overload]
+        assert all(texts)
+    finally:
+        server.stop()
