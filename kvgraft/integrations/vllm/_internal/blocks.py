@@ -216,8 +216,11 @@ def _check_tensors(data: bytes, binding: VllmBinding) -> None:
         if dtype_name(tensor.dtype) != binding.kv_cache_dtype or tensor.numel() != block_elements(binding):
             raise BlockFileError(f"{KV_FILE}: {name} is {dtype_name(tensor.dtype)} {list(tensor.shape)}, "
                                  f"the binding needs {binding.kv_cache_dtype} with {block_elements(binding)} elements")
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor.float()).all()):
-            raise BlockFileError(f"{KV_FILE}: {name} holds values that are not finite")
+    # One pass over every layer (one call, not one per layer: a block's layers are small tensors);
+    # only when it fails are the layers looked at one by one, to name the first bad one.
+    if next(iter(tensors.values())).is_floating_point() and not bool(torch.isfinite(torch.cat([t.reshape(-1) for t in tensors.values()])).all()):
+        bad = next(name for name in sorted(tensors) if not bool(torch.isfinite(tensors[name]).all()))
+        raise BlockFileError(f"{KV_FILE}: {bad} holds values that are not finite")
 
 
 def read_verified_block(store: Path, claim: BlockClaim, trusted: TrustedKeys) -> bytes:

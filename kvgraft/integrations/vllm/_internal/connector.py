@@ -371,10 +371,18 @@ class KvgraftConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvgraftConnectorMetadata):
             raise ConnectorError(f"the connector was given {type(meta).__name__} metadata", hint="report this")
+        if not meta.loads:
+            return
+        # One indexed copy per layer for all of this step's blocks (not one copy per block and layer).
+        by_layer: dict[str, list[torch.Tensor]] = {}
         for load in meta.loads:
             for name, tensor in decode_block(load.data).items():
-                target = self._caches[name][load.block_id]
-                target.copy_(tensor.view(target.shape), non_blocking=False)
+                by_layer.setdefault(name, []).append(tensor)
+        block_ids = torch.tensor([load.block_id for load in meta.loads], dtype=torch.long)
+        for name, tensors in by_layer.items():
+            cache = self._caches[name]
+            stacked = torch.stack(tensors).view(len(tensors), *cache.shape[1:])
+            cache.index_copy_(0, block_ids.to(cache.device), stacked.to(cache.device))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete in ``start_load_kv``: nothing to wait for."""
