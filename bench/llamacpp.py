@@ -1,7 +1,7 @@
 """The engine under ``llamacpp-cpu`` against llama-cpp-python called directly (issue 36, item 5).
 
 For each model (smollm2-135m, qwen2.5-coder-0.5b, gemma3-270m; qwen2.5-coder-1.5b when
-installed), on the same GGUF, the same context settings (``llamacpp.SETTINGS``: n_ctx 8192,
+installed), on the same GGUF, the same context settings (``LLAMACPP_SETTINGS``: n_ctx 8192,
 n_batch and n_ubatch 512, 16 sequences in one unified f16 cache, flash attention, 2 threads),
 side by side in one process, each contestant run ``--runs`` times in turning order:
 
@@ -40,9 +40,20 @@ import numpy as np
 from common import KVGRAFT, RESULTS, free_port, machine, say, server_process, write_result
 from engine_serve import TEST, Target, _measure, _questions
 
-from kvgraft.engine import MODELS, current_profile, is_installed, load_model_for, locate_gguf, spec_for
-from kvgraft.engine._internal import llamacpp
-from kvgraft.engine._internal.ops import DecodeJob, decode_batch, new_state
+from kvgraft.engine import (
+    LLAMACPP_SETTINGS,
+    MODELS,
+    DecodeJob,
+    current_profile,
+    decode_batch,
+    is_installed,
+    llama_cpp_bindings,
+    load_model_for,
+    locate_gguf,
+    new_state,
+    server_binary,
+    spec_for,
+)
 
 PROMPTS = [f"Chapter {i}. Once upon a time, in a {c} house by the {t}, there lived a" for i, (c, t) in enumerate(
     [(c, t) for c in ("small", "red", "old", "tall") for t in ("sea", "river", "forest", "hills")])]
@@ -52,8 +63,8 @@ class Direct:
     """llama-cpp-python's bindings driven directly: a context with the profile's settings."""
 
     def __init__(self, name: str) -> None:
-        lib = llamacpp.lib()
-        s = llamacpp.SETTINGS
+        lib = llama_cpp_bindings()
+        s = LLAMACPP_SETTINGS
         mp = lib.llama_model_default_params()
         mp.n_gpu_layers = 0
         self.model = lib.llama_model_load_from_file(str(locate_gguf(spec_for(name))).encode(), mp)
@@ -71,14 +82,14 @@ class Direct:
         self.batch = lib.llama_batch_init(s.n_batch, 0, 1)
 
     def tokenize(self, text: str, first: bool) -> list[int]:
-        lib = llamacpp.lib()
+        lib = llama_cpp_bindings()
         data = text.encode()
         buf = (lib.llama_token * (len(data) + 8))()
         n = lib.llama_tokenize(self.vocab, data, len(data), buf, len(data) + 8, first, False)
         return list(buf[:n])
 
     def _run(self, rows: list[tuple[int, int, int, bool]]) -> list[np.ndarray]:
-        lib = llamacpp.lib()
+        lib = llama_cpp_bindings()
         b = self.batch
         for i, (tok, pos, seq, want) in enumerate(rows):
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, want
@@ -90,10 +101,10 @@ class Direct:
                 for i, r in enumerate(rows) if r[3]]
 
     def clear(self) -> None:
-        llamacpp.lib().llama_memory_clear(self.mem, True)
+        llama_cpp_bindings().llama_memory_clear(self.mem, True)
 
     def prefill(self, ids: list[int]) -> None:
-        step = llamacpp.SETTINGS.n_batch
+        step = LLAMACPP_SETTINGS.n_batch
         for at in range(0, len(ids), step):
             part = ids[at:at + step]
             self._run([(t, at + i, 0, at + i == len(ids) - 1) for i, t in enumerate(part)])
@@ -102,7 +113,7 @@ class Direct:
         """Greedy decoding of every prompt as its own sequence, one batch per step; tokens made."""
         pos, nxt = [], []
         for seq, ids in enumerate(prompts):
-            step = llamacpp.SETTINGS.n_batch
+            step = LLAMACPP_SETTINGS.n_batch
             for at in range(0, len(ids), step):
                 out = self._run([(t, at + i, seq, at + i == len(ids) - 1) for i, t in enumerate(ids[at:at + step])])
             nxt.append(int(np.argmax(out[-1])))
@@ -190,8 +201,8 @@ def serve_model(name: str, clients: int, requests: int, max_tokens: int, tmp: Pa
     questions = _questions(TEST, clients * requests)
     serve = [*KVGRAFT, "engine", "serve", "--model", name, "--profile", "llamacpp-cpu", "--log-level", "warning",
              "--host", "127.0.0.1", "--request-timeout", "1200", "--max-queue", str(4 * clients), "--port", str(ports["base"])]
-    server = [str(llamacpp.server_binary()), "-m", str(locate_gguf(spec_for(name))), "--host", "127.0.0.1", "--port", str(ports["llama"]),
-              "-np", str(clients), "-c", str(llamacpp.SETTINGS.n_ctx), "-t", str(llamacpp.SETTINGS.threads), "--alias", "llama"]
+    server = [str(server_binary()), "-m", str(locate_gguf(spec_for(name))), "--host", "127.0.0.1", "--port", str(ports["llama"]),
+              "-np", str(clients), "-c", str(LLAMACPP_SETTINGS.n_ctx), "-t", str(LLAMACPP_SETTINGS.threads), "--alias", "llama"]
     with (server_process(serve, tmp / "serve.log", ports["base"], "/v1/models", seconds=600),
           server_process(server, tmp / "llama-server.log", ports["llama"], "/health", seconds=600)):
         rows = {}

@@ -40,7 +40,7 @@ from ._internal.errors import (
     UnsafeTensorError,
 )
 from ._internal.evaluate import EvalRun, journal_path, run_eval, run_replay, select, write_pre_registration
-from ._internal.exactness import run_exactness, summary_table
+from ._internal.exactness import draw_pairs, run_exactness, summary_table
 from ._internal.kernel_errors import KernelError, ScheduleError
 from ._internal.kvfile import deserialize, read_kv_file, serialize
 from ._internal.kvstate import KVState, Segment
@@ -60,7 +60,9 @@ from ._internal.library import (
     require_library_match,
     worked_solution,
 )
-from ._internal.llamacpp import LlamaCppError, LlamaCppModel, server_binary
+from ._internal.llamacpp import SETTINGS as LLAMACPP_SETTINGS
+from ._internal.llamacpp import LlamaCppError, LlamaCppModel, LlamaCppState, server_binary
+from ._internal.llamacpp import lib as llama_cpp_bindings
 from ._internal.models import (
     MODELS,
     LoadedModel,
@@ -80,12 +82,15 @@ from ._internal.ops import (
     GREEDY,
     AnyModel,
     Continuation,
+    DecodeJob,
     Sampling,
     capture,
+    decode_batch,
     fresh,
     generate,
     graft,
     load_model_for,
+    new_state,
     read_text,
 )
 from ._internal.profiles import (
@@ -135,7 +140,8 @@ __all__ = [
     "fresh", "generate", "graft", "is_cached", "is_installed", "kvgraft_home", "load_artifact", "load_model", "local_key_path",
     "locate_gguf", "logits_digest", "read_kv_file", "read_text", "require_same", "serialize", "spec_for", "token_digest",
     "EvalRun", "clean_solution", "read_meta", "run_eval", "run_exactness", "run_replay", "select", "summary_table",
-    "write_pre_registration", "Wheel", "install", "install_hint", "AnyModel", "LlamaCppError", "LlamaCppModel", "load_model_for", "server_binary",
+    "write_pre_registration", "Wheel", "install", "install_hint", "AnyModel", "LlamaCppError", "LlamaCppModel", "load_model_for", "server_binary", "LLAMACPP_SETTINGS", "LlamaCppState",
+    "llama_cpp_bindings", "DecodeJob", "decode_batch", "new_state", "draw_pairs",
     "ServerIdentity", "SlotError", "VerifiedSlot", "read_slot", "restore_slot", "server_identity", "sign_slot", "verify_slot",
     "ContextWindowError", "EngineServerConfigError", "EngineServerError", "NOTHING_GRAFTED", "ServeConfig", "ServeSettings",
     "ask_model", "create_engine_app", "ISA_LEVELS", "compute_dtype", "cpu_description", "lookup_all", "serve_engine", "ProblemIndex", "worked_solution", "journal_path", "read_index", "require_library_match", "MAX_INDEX_LINE_BYTES",

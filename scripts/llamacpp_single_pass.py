@@ -16,9 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvgraft.engine import current_profile, fresh, load_model_for
-from kvgraft.engine._internal.exactness import draw_pairs
-from kvgraft.engine._internal.schedules import single_pass
+from kvgraft.engine import current_profile, draw_pairs, fresh, load_model_for, single_pass
 
 
 def main() -> None:
