@@ -326,7 +326,7 @@ def test_bad_inputs_fail_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixtu
     code, out, err = _cli(capsys, "publish", "--registry", "http://127.0.0.1:9", "--token", "t", tmp_path)
     _one_line_failure(code, out, err, "LocalFilesError", "holds neither statement.dsse.json nor record.dsse.json")
     code, out, err = _cli(capsys, "pull", "--registry", "http://127.0.0.1:9", "sha256:abc", "--out", tmp_path / "x")
-    _one_line_failure(code, out, err, "is not sha256:<64 lowercase hex>")
+    _one_line_failure(code, out, err, "is neither a digest nor a short one")
     code, out, err = _cli(capsys, "pull", "--registry", "http://127.0.0.1:9", "sha256:" + "a" * 64, "--out", tmp_path / "x")
     _one_line_failure(code, out, err, "RegistryUnavailableError")
     assert not (tmp_path / "x").exists()
