@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+# Imported for their tables: each registers its migration (ddl.py) before a database opens here.
+from . import cosignatures, search  # noqa: F401
 from .accounts import Accounts
 from .datadir import DataDir, prepare, read_admin_handle
 from .db import Database

@@ -1,7 +1,7 @@
 """The content-addressed blob store: ``blobs/sha256/<hex>``, written only whole and verified.
 
 ``BlobStore`` is the one interface the service, the app, the scrubber and ``kvgraft fsck`` use;
-``open_blob_store`` picks the implementation the settings name. Two exist: ``LocalBlobStore``,
+``blobfactory.open_blob_store`` picks the implementation the settings name. Two exist: ``LocalBlobStore``,
 the data directory's ``blobs/`` (the default, below), and ``s3blobs.S3BlobStore``, an
 S3-compatible object store under ``s3://BUCKET/PREFIX/blobs/``. Both keep the same promises:
 
@@ -42,7 +42,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, BinaryIO, Protocol
+from typing import BinaryIO, Protocol
 
 import anyio
 import anyio.to_thread
@@ -58,9 +58,6 @@ from .errors import (
     RegistryError,
 )
 from .readcache import BoundedLru
-
-if TYPE_CHECKING:
-    from .settings import RegistrySettings
 
 logger = logging.getLogger("kvgraft.registry")
 
@@ -644,29 +641,6 @@ class LocalBlobStore(BlobStore):
                     return
                 left -= len(chunk)
                 yield chunk
-
-
-@contextlib.contextmanager
-def open_blob_store(root: Path, settings: RegistrySettings) -> Iterator[BlobStore]:
-    """The blob store ``settings.blob_store`` names (None: the directory ``root``, the data
-    directory's ``blobs/``), closed when the block ends. Not prepared: the server calls
-    ``prepare`` holding the data directory; ``kvgraft fsck`` only reads and quarantines."""
-    store: BlobStore
-    if settings.blob_store is None:
-        # Several server processes on one database may share the directory (cluster.py).
-        store = LocalBlobStore(root, shared=settings.database is not None)
-    else:
-        from .blobconfig import MAX_S3_PARTS, parse_blob_store_url
-        from .s3blobs import S3BlobStore
-
-        store = S3BlobStore(parse_blob_store_url(settings.blob_store), settings.s3)
-        if settings.max_blob_bytes > settings.s3.largest_blob:
-            logger.info(
-                "blobs larger than %d bytes (%d parts of --s3-part-size %d) are refused (413), below --max-blob-bytes %d",
-                settings.s3.largest_blob, MAX_S3_PARTS, settings.s3.part_size, settings.max_blob_bytes,
-            )
-    with store:
-        yield store
 
 
 def quarantine_names_for(hex_digest: str) -> Iterator[str]:

@@ -41,17 +41,18 @@ from kvgraft.verifier import (
     parse_witness_vkey,
 )
 
+from .db import Database, now_utc
+from .ddl import Migration, register
 from .errors import ConfigError, WitnessSubmissionError
 
 if TYPE_CHECKING:
     import httpx
 
-    from .db import Database
     from .service import Registry
 
 logger = logging.getLogger("kvgraft.registry")
 
-#: The table of stored cosignatures; created by migration 3 (db.py). ``line`` is the signature
+#: The table of stored cosignatures; created by migration 3, registered below (ddl.py). ``line`` is the signature
 #: line as the note carries it (``— <name> <base64>\n``), verified before it was stored.
 COSIGNATURES_TABLE_DDL = (
     """CREATE TABLE cosignatures (
@@ -62,6 +63,10 @@ COSIGNATURES_TABLE_DDL = (
         line VARCHAR NOT NULL,
         created_at VARCHAR NOT NULL,
         PRIMARY KEY (tree_size, witness, key_id))""",
+)
+# None exist before a witness is configured.
+MIGRATION = register(
+    Migration(3, "witness cosignatures of checkpoints", COSIGNATURES_TABLE_DDL, owner=__name__)
 )
 
 #: The most witnesses a registry submits to (each adds a line to every checkpoint note served).
@@ -129,8 +134,6 @@ class CosignatureStore:
 
     def add(self, tree_size: int, key: WitnessKey, timestamp: int, line: bytes) -> None:
         """Store (or replace with a newer one) ``key``'s cosignature of the checkpoint at ``tree_size``."""
-        from .db import now_utc  # db.py imports this module for the table's DDL
-
         with self.db.transaction() as conn:
             conn.execute(
                 "INSERT INTO cosignatures VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (tree_size, witness, key_id) DO UPDATE "

@@ -2,8 +2,8 @@
 
 ``Database`` is what every other module uses: ``transaction()`` (a connection whose
 ``execute(sql, params)`` returns rows through ``fetchone``/``fetchall``/``fetchmany``),
-``query``, ``query_one``, ``get_meta``/``set_meta`` and the numbered ``MIGRATIONS``
-(``schema_version``). The SQL is written once, in DuckDB's spelling: ``?`` placeholders,
+``query``, ``query_one``, ``get_meta``/``set_meta`` and the numbered migrations that each feature
+registers in ``ddl.py`` (``schema_version``). The SQL is written once, in DuckDB's spelling: ``?`` placeholders,
 ``VARCHAR``/``BIGINT``/``BLOB`` and ``VARCHAR[]`` columns, ``INSERT ... ON CONFLICT`` upserts,
 ``array_agg``; statements that both engines accept as written are kept that way. What must
 differ lives in one place, the ``Dialect`` of each engine, below: the placeholders and type
@@ -40,13 +40,13 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 
-from . import cosignatures, search
+from . import ddl
+from .ddl import Connection, Migration, register
 from .errors import (
     DatabaseConflictError,
     DatabaseLockedError,
@@ -81,39 +81,11 @@ LOG_CHANNEL = "kvgraft_log"
 ACCOUNTS_CHANNEL = "kvgraft_accounts"
 
 
-class Cursor(Protocol):
-    """The rows of one statement."""
-
-    def fetchone(self) -> tuple[Any, ...] | None: ...
-
-    def fetchall(self) -> list[tuple[Any, ...]]: ...
-
-    def fetchmany(self, size: int = ...) -> list[tuple[Any, ...]]: ...
 
 
-class Connection(Protocol):
-    """What a transaction hands out: ``execute`` one statement (``?`` placeholders) and read its rows."""
-
-    def execute(self, query: str, parameters: Any = ..., /) -> Cursor: ...
-
-
-@dataclass(frozen=True)
-class Migration:
-    """One schema step: applied once, in order, inside a transaction, on either engine.
-
-    ``backfill``, when set, runs after the statements in the same transaction: it fills new
-    tables from existing rows with the same code that fills them for new entries.
-    """
-
-    version: int
-    description: str
-    statements: tuple[str, ...]
-    backfill: Callable[[Connection], None] | None = None
-
-
-# Append new migrations; never edit an applied one (databases in the field have run it). The
-# statements run on both engines as written (the dialect spells BLOB as BYTEA for PostgreSQL).
-MIGRATIONS: tuple[Migration, ...] = (
+#: Migration 1, the core tables; the features register theirs (ddl.py). Never edit an applied
+#: migration (databases in the field have run it).
+CORE_TABLES = register(
     Migration(
         1,
         "publishers, keys, tokens, log entries and checkpoints",
@@ -182,11 +154,8 @@ MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX entry_refs_ref ON entry_refs (ref)",
             "CREATE INDEX entry_subjects_digest ON entry_subjects (digest)",
         ),
-    ),
-    # Search by an index of words, not one substring scan of every text per query word.
-    Migration(2, "search index of artifacts' source text words", search.SEARCH_TABLE_DDL, backfill=search.backfill),
-    # Witness cosignatures of the checkpoints (cosignatures.py); none exist before a witness is configured.
-    Migration(3, "witness cosignatures of checkpoints", cosignatures.COSIGNATURES_TABLE_DDL),
+        owner=__name__,
+    )
 )
 
 _LOCK_PID = re.compile(r"\(PID (\d+)\)")
@@ -580,8 +549,10 @@ class Database:
         ``DatabaseLockedError`` (naming the holder's pid) when it does not. With a
         ``postgresql://`` URL: that database, which must exist; the migrations run under
         ``LOG_LOCK``, which stays held (so that a start-up reads the log whole) until
-        ``release_log`` or ``close``.
+        ``release_log`` or ``close``. Refused before anything is made while a feature module has
+        not registered its migration (ddl.py).
         """
+        ddl.migrations()
         if database is not None:
             return cls._open_postgres(database)
         path = data_dir / DB_FILE
@@ -764,12 +735,14 @@ class Database:
             row = self.conn.execute("SELECT max(version) FROM schema_version").fetchone()
         return int(row[0]) if row and row[0] is not None else 0
 
-    def migrate(self, migrations: tuple[Migration, ...] = MIGRATIONS) -> list[int]:
+    def migrate(self, steps: Sequence[Migration] | None = None) -> list[int]:
         """Apply the migrations newer than the database's version, in order; return those applied.
+        ``steps`` defaults to every registered one (ddl.py).
 
         On PostgreSQL, under ``LOG_LOCK``: two processes starting at once migrate one after the other.
         """
         with self.log_held():
+            migrations = list(ddl.migrations() if steps is None else steps)
             current = self.schema_version()
             known = max((m.version for m in migrations), default=0)
             if current > known:

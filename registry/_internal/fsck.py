@@ -48,7 +48,8 @@ from kvgraft.verifier import (
     verify_checkpoint,
 )
 
-from .blobs import BlobStore, open_blob_store
+from .blobfactory import open_blob_store
+from .blobs import BlobStore
 from .datadir import (
     BLOB_STORE_META,
     KEY_FILE,

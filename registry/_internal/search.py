@@ -19,14 +19,15 @@ import unicodedata
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from .ddl import Migration, register
 from .errors import QueryTooLargeError
 
 if TYPE_CHECKING:
-    from .db import Connection  # db.py imports this module for the table's DDL
+    from .db import Connection
 
 _WORD = re.compile(r"\w+")
 
-#: The table and its index; created by migration 2 (db.py).
+#: The table and its index; created by migration 2, registered below (ddl.py).
 SEARCH_TABLE_DDL = (
     "CREATE TABLE search_terms (term VARCHAR NOT NULL, log_index BIGINT NOT NULL)",
     "CREATE INDEX search_terms_term ON search_terms (term)",
@@ -59,6 +60,12 @@ def backfill(conn: Connection) -> None:
         "SELECT log_index, source_text FROM entries WHERE source_text IS NOT NULL ORDER BY log_index"
     ).fetchall()
     index_texts(conn, ((int(log_index), str(text)) for log_index, text in rows))
+
+
+# Search by an index of words, not one substring scan of every text per query word.
+MIGRATION = register(
+    Migration(2, "search index of artifacts' source text words", SEARCH_TABLE_DDL, backfill=backfill, owner=__name__)
+)
 
 
 def query_terms(q: str | None, *, max_terms: int, max_length: int) -> list[str] | None:

@@ -50,7 +50,8 @@ from kvgraft.verifier import (
 
 from . import queries, search
 from .accounts import Accounts, TokenInfo
-from .blobs import BlobStore, open_blob_store, parse_digest_ref
+from .blobfactory import open_blob_store
+from .blobs import BlobStore, parse_digest_ref
 from .cosignatures import CosignatureStore
 from .datadir import (
     SIGNED_HEAD_FILE,

@@ -65,7 +65,8 @@ from kvgraft.verifier import (
 from . import queries
 from .cosignatures import CosignatureStore
 from .datadir import PUBLIC_KEY_FILE
-from .db import DB_FILE, DUCKDB, MIGRATIONS, POSTGRES, Database, redact
+from .db import DB_FILE, DUCKDB, POSTGRES, Database, redact
+from .ddl import SCHEMA_VERSION
 from .errors import DataDirError, EntryTooLargeForTilesError, LogIntegrityError, TileNotFoundError
 from .ranges import none_match
 
@@ -245,7 +246,7 @@ def _check_schema(db: Database) -> None:
     # Read-only, the database cannot be migrated here: one from an older kvgraft lacks tables.
     row = db.query_one("SELECT max(version) FROM schema_version")
     current = int(row[0]) if row is not None and row[0] is not None else 0
-    known = max(m.version for m in MIGRATIONS)
+    known = SCHEMA_VERSION
     if current != known:
         raise DataDirError(
             f"the registry database {db.path} has schema version {current}; this kvgraft reads version {known}",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import duckdb
@@ -12,7 +14,8 @@ import pytest
 from kvgraft.registry import RegistrySettings
 from kvgraft.registry._internal.admin import admin_session
 from kvgraft.registry._internal.datadir import DataDir, SignedHead, read_signed_head, write_signed_head
-from kvgraft.registry._internal.db import MIGRATIONS, Database, Migration
+from kvgraft.registry._internal.db import Database
+from kvgraft.registry._internal.ddl import Migration, migrations
 from kvgraft.registry._internal.errors import (
     AdminUnavailableError,
     ConfigError,
@@ -37,7 +40,7 @@ def test_a_new_data_dir_is_initialised(tmp_path: Path) -> None:
         assert registry.log.size == 0
         assert registry.log.origin.startswith("kvgraft-registry/")
         versions = registry.db.query("SELECT version FROM schema_version ORDER BY version")
-        assert [v for (v,) in versions] == [m.version for m in MIGRATIONS]
+        assert [v for (v,) in versions] == [m.version for m in migrations()]
     assert stat.S_IMODE((data / "registry-key.pem").stat().st_mode) == 0o600
     assert stat.S_IMODE(data.stat().st_mode) == 0o700
     assert (data / "registry-key.pub.pem").is_file()
@@ -47,9 +50,9 @@ def test_a_new_data_dir_is_initialised(tmp_path: Path) -> None:
 
 def test_migrations_apply_in_order_once(tmp_path: Path) -> None:
     db = Database.open(tmp_path)
-    n = MIGRATIONS[-1].version
+    n = migrations()[-1].version
     try:
-        extra = (*MIGRATIONS, Migration(n + 1, "add a column", ("ALTER TABLE meta ADD COLUMN note VARCHAR",)))
+        extra = (*migrations(), Migration(n + 1, "add a column", ("ALTER TABLE meta ADD COLUMN note VARCHAR",)))
         assert db.migrate(extra) == [n + 1]
         assert db.migrate(extra) == []
         assert db.schema_version() == n + 1
@@ -64,6 +67,33 @@ def test_migrations_apply_in_order_once(tmp_path: Path) -> None:
     # This kvgraft knows only versions up to n: a database at version n + 1 is refused.
     with pytest.raises(SchemaVersionError, match=f"has schema version {n + 1}, newer than this kvgraft knows"):
         Database.open(tmp_path)
+
+
+def _open_in_fresh_process(data: Path, imports: str) -> subprocess.CompletedProcess[str]:
+    """``Database.open(data)`` in a fresh interpreter that imported only ``imports``; prints the
+    schema version, or the RuntimeError's message."""
+    code = (
+        f"import sys\nfrom pathlib import Path\n{imports}\n"
+        "from kvgraft.registry._internal.db import Database\n"
+        "try:\n    print(Database.open(Path(sys.argv[1])).schema_version())\n"
+        "except RuntimeError as e:\n    print(e)\n"
+    )
+    return subprocess.run([sys.executable, "-c", code, str(data)], capture_output=True, text=True, timeout=120)
+
+
+def test_a_database_opened_before_every_feature_registered_is_refused_regression_ddl_registry(tmp_path: Path) -> None:
+    # db.py no longer imports the features that own tables (issue 38: no import circle); a process
+    # that imported only db.py must not create a database without the search and cosignature
+    # tables and record it as up to date.
+    r = _open_in_fresh_process(tmp_path, "")
+    assert r.returncode == 0, r.stderr
+    assert "schema migrations [2, 3] are not registered" in r.stdout
+    assert "search.py, cosignatures.py" in r.stdout
+    assert not (tmp_path / "registry.duckdb").exists()
+    # Imported, they register theirs: the same open makes every table.
+    r = _open_in_fresh_process(tmp_path, "from kvgraft.registry._internal import cosignatures, search")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(migrations()[-1].version)
 
 
 def test_the_origin_is_fixed_at_first_start(tmp_path: Path) -> None:

@@ -41,12 +41,14 @@ HANDOVER_BOUND = 10.0
 
 
 def test_migrations_run_on_postgres_once_with_postgres_types(postgres: PostgresServer, tmp_path: Path) -> None:
-    from kvgraft.registry._internal.db import MIGRATIONS, Database
+    from kvgraft.registry._internal import cosignatures, search  # noqa: F401  (they register their migrations)
+    from kvgraft.registry._internal.db import Database
+    from kvgraft.registry._internal.ddl import migrations
 
     url = postgres.database()
     db = Database.open(tmp_path, database=url)
     try:
-        assert db.schema_version() == max(m.version for m in MIGRATIONS)
+        assert db.schema_version() == max(m.version for m in migrations())
         assert db.dialect.shared
     finally:
         db.close()
@@ -62,12 +64,14 @@ def test_migrations_run_on_postgres_once_with_postgres_types(postgres: PostgresS
         versions = [v for (v,) in conn.execute("SELECT version FROM schema_version ORDER BY version").fetchall()]
     assert types["leaf_hash"] == "bytea" and types["envelope"] == "bytea"
     assert types["keyids"] == "ARRAY" and types["log_index"] == "bigint"
-    assert versions == [m.version for m in MIGRATIONS]
+    assert versions == [m.version for m in migrations()]
     assert not (tmp_path / "registry.duckdb").exists()  # the data directory holds no DuckDB file
 
 
 def test_two_processes_migrating_one_new_database_at_once(postgres: PostgresServer, tmp_path: Path) -> None:
-    from kvgraft.registry._internal.db import MIGRATIONS, Database
+    from kvgraft.registry._internal import cosignatures, search  # noqa: F401  (they register their migrations)
+    from kvgraft.registry._internal.db import Database
+    from kvgraft.registry._internal.ddl import migrations
 
     url = postgres.database()
 
@@ -79,7 +83,7 @@ def test_two_processes_migrating_one_new_database_at_once(postgres: PostgresServ
             db.close()
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        assert set(pool.map(open_and_close, range(4))) == {max(m.version for m in MIGRATIONS)}
+        assert set(pool.map(open_and_close, range(4))) == {max(m.version for m in migrations())}
 
 
 def test_a_bad_database_url_is_one_clear_line(tmp_path: Path) -> None:
