@@ -10,7 +10,8 @@ One module per command group, each adding its subcommands with ``add_commands(su
 - ``serve``: ``serve``, ``token``, ``key``, ``fsck`` (the registry's admin side);
 - ``remote``: ``publish``, ``pull``, ``mirror``, ``report`` (the registry client);
 - ``tiles``: ``tiles export``, the registry's log as a static c2sp.org/tlog-tiles directory;
-- ``witness``: ``witness serve``, ``witness key`` (a c2sp.org/tlog-witness cosigner, docs/witness.md).
+- ``witness``: ``witness serve``, ``witness key`` (a c2sp.org/tlog-witness cosigner, docs/witness.md);
+- ``vllm``: ``vllm exactness``, ``vllm prefix-cache`` (run in vLLM's own venv, docs/vllm.md).
 
 ``_common`` holds what they share (``CliError``, the global options, the guard for optional
 extras, the output). The engine and the registry are imported only when a command runs, so
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 from kvgraft.schemas import KvgraftError
 from kvgraft.verifier.cli import examples_text, walk
 
-from . import engine, flywheel, keys, oms, remote, serve, slot, tiles, witness
+from . import engine, flywheel, keys, oms, remote, serve, slot, tiles, vllm, witness
 from ._common import CliError, print_failure, print_result, top_parser
 
 __all__ = ["COMMAND_EXAMPLES", "COMMAND_GROUPS", "CliError", "build_parser", "main", "run"]
@@ -37,7 +38,7 @@ __all__ = ["COMMAND_EXAMPLES", "COMMAND_GROUPS", "CliError", "build_parser", "ma
 #: tests/cli/test_help.py checks it).
 COMMAND_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("start here", ("models", "keys", "library", "ask")),
-    ("engine", ("capture", "graft", "generate", "fresh", "single-pass", "exactness", "engine", "slot")),
+    ("engine", ("capture", "graft", "generate", "fresh", "single-pass", "exactness", "engine", "slot", "vllm")),
     ("flywheel", ("eval", "prereg", "replay", "report")),
     ("registry", ("publish", "pull", "mirror", "sign", "oms", "tiles")),
     ("admin", ("serve", "token", "key", "fsck", "witness")),
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = top_parser(prog="kvgraft", description="Capture, sign, publish and graft KV state: knowledge a frozen "
                         "model reads once, kept as byte-exact signed artifacts in an audited registry.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (keys, oms, engine, slot, flywheel, serve, remote, tiles, witness):
+    for group in (keys, oms, engine, slot, vllm, flywheel, serve, remote, tiles, witness):
         group.add_commands(sub)
     parser.set_command_groups(COMMAND_GROUPS, EXAMPLES)
     _add_examples(parser)

@@ -21,6 +21,7 @@ from ._internal.blocks import (
     block_dir,
     decode_block,
     encode_block,
+    loadable_blocks,
     read_verified_block,
     sign_block,
     write_block,
@@ -32,7 +33,9 @@ from ._internal.errors import (
     ChainMismatchError,
     ConnectorConfigError,
     ConnectorError,
+    ExactnessRunError,
 )
+from ._internal.exactness import MAKE_VLLM_HINT, VLLM_PYTHON_ENV, ExactnessOptions, run_in_vllm, vllm_python
 from ._internal.predicate import (
     KV_LAYOUT,
     VLLM_BLOCK_PREDICATE,
@@ -49,11 +52,12 @@ if TYPE_CHECKING:
     from ._internal.connector import KvgraftConnector
 
 __all__ = [
-    "KV_LAYOUT", "TRUSTED_KEYS_ENV", "VLLM_BLOCK_PREDICATE", "BindingMismatchError", "BlockClaim", "BlockFileError",
-    "BlockRefusedError", "ChainMismatchError", "ConnectorConfigError", "ConnectorError", "ConnectorSettings",
-    "KvgraftConnector", "VllmBinding", "VllmBlockPredicate", "VllmBlockStatement", "binding_digest", "block_chain_key",
-    "block_dir", "chain_keys", "config_digest", "decode_block", "encode_block", "read_verified_block", "sign_block", "tokenizer_digest",
-    "weights_digest", "write_block",
+    "KV_LAYOUT", "MAKE_VLLM_HINT", "TRUSTED_KEYS_ENV", "VLLM_BLOCK_PREDICATE", "VLLM_PYTHON_ENV", "BindingMismatchError",
+    "BlockClaim", "BlockFileError", "BlockRefusedError", "ChainMismatchError", "ConnectorConfigError", "ConnectorError",
+    "ConnectorSettings", "ExactnessOptions", "ExactnessRunError", "KvgraftConnector", "VllmBinding", "VllmBlockPredicate",
+    "VllmBlockStatement", "binding_digest", "block_chain_key", "block_dir", "chain_keys", "config_digest", "decode_block",
+    "encode_block", "loadable_blocks", "read_verified_block", "run_in_vllm", "sign_block", "tokenizer_digest",
+    "vllm_python", "weights_digest", "write_block",
 ]
 
 

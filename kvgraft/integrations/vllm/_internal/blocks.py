@@ -112,6 +112,20 @@ class BlockClaim:
                    token_digest([int(i) for i in prompt[:(index + 1) * size]]))
 
 
+def loadable_blocks(prompt_tokens: int, block_size: int) -> int:
+    """How many full blocks of a prompt may be loaded: at least two prompt tokens stay to compute.
+
+    vLLM needs the last token's logits, so one token always stays. But a step that computes a
+    single prompt token runs vLLM's decode kernels, and on the CPU build their last bits differ from
+    the prefill's (the exactness record's samples of 257 and 737 tokens differed, every other length
+    was equal): so a prompt one token past a block boundary leaves its last full block to compute.
+    """
+    blocks = (prompt_tokens - 1) // block_size
+    if blocks > 0 and prompt_tokens - blocks * block_size == 1:
+        blocks -= 1
+    return blocks
+
+
 def block_dir(store: Path, key: Sha256Digest) -> Path:
     """Where the block with chain key ``key`` lives in ``store``."""
     return store / hex_of(key)

@@ -7,7 +7,7 @@ Scheduler side:
 
 - ``get_num_new_matched_tokens``: for each full prompt block past the engine's own prefix-cache
   hit (at most ``(prompt length - 1) // block_size`` blocks, one fewer when that would leave a
-  single token: ``_loadable_blocks``),
+  single token: ``loadable_blocks``),
   compute its chain key and read the stored block through ``read_verified_block``. The first
   block that is missing or does not verify ends the hit: vLLM computes it and every block after
   it. A refusal is logged once per block, with its reason. The verified bytes are kept for this
@@ -51,7 +51,16 @@ from kvgraft.schemas import DirectoryExistsError, KvgraftError, Sha256Digest
 from kvgraft.verifier import SigningKey, TrustedKeys, load_private_key, load_trusted_keys
 
 from .binding import config_digest, cpu_name, env_setting, tokenizer_digest, weights_digest
-from .blocks import BlockClaim, block_dir, decode_block, dtype_name, encode_block, read_verified_block, write_block
+from .blocks import (
+    BlockClaim,
+    block_dir,
+    decode_block,
+    dtype_name,
+    encode_block,
+    loadable_blocks,
+    read_verified_block,
+    write_block,
+)
 from .errors import ConnectorConfigError, ConnectorError
 from .predicate import KV_LAYOUT, VllmBinding, binding_digest
 from .settings import ConnectorSettings
@@ -185,20 +194,6 @@ def make_binding(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_
     )
 
 
-def _loadable_blocks(prompt_tokens: int, block_size: int) -> int:
-    """How many full blocks of a prompt may be loaded: at least two prompt tokens stay to compute.
-
-    vLLM needs the last token's logits, so one token always stays. But a step that computes a
-    single prompt token runs vLLM's decode kernels, and on the CPU build their last bits differ from
-    the prefill's (the exactness record's samples of 257 and 737 tokens differed, every other length
-    was equal): so a prompt one token past a block boundary leaves its last full block to compute.
-    """
-    blocks = (prompt_tokens - 1) // block_size
-    if blocks > 0 and prompt_tokens - blocks * block_size == 1:
-        blocks -= 1
-    return blocks
-
-
 def _token_ids_decide_kv(request: Request) -> bool:
     """Whether the request's KV is a function of its token ids alone, which chain keys name.
 
@@ -279,7 +274,7 @@ class KvgraftConnector(KVConnectorBase_V1):
         if not self._kv_transfer_config.is_kv_consumer or not _token_ids_decide_kv(request):
             return 0, False
         prompt = request.prompt_token_ids or []
-        usable = min(_loadable_blocks(len(prompt), self._block_size), self._settings.max_blocks_per_request)
+        usable = min(loadable_blocks(len(prompt), self._block_size), self._settings.max_blocks_per_request)
         start = num_computed_tokens // self._block_size
         state = self._state(request)
         if state.hit_start == start:

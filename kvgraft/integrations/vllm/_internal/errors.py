@@ -2,6 +2,7 @@
 
     ConnectorError
     ├── ConnectorConfigError     kv_connector_extra_config or the engine's set-up cannot be served
+    ├── ExactnessRunError        the exactness measurement inside vLLM did not run to its record
     └── BlockRefusedError        a stored block that does not verify (it is recomputed, never loaded)
         ├── BindingMismatchError the block was computed under another binding (model, vLLM, layout...)
         ├── ChainMismatchError   its chain key, parent or token ids are not the ones asked for
@@ -24,6 +25,12 @@ class ConnectorError(KvgraftError):
 
 class ConnectorConfigError(ConnectorError):
     """The connector's configuration, or the engine it runs in, cannot be served."""
+
+
+class ExactnessRunError(ConnectorError):
+    """The exactness measurement inside vLLM stopped before its record (nothing is written)."""
+
+    default_hint: str | None = "the lines above (vLLM's and the connector's log) say why"
 
 
 class BlockRefusedError(ConnectorError):
