@@ -12,7 +12,6 @@ import contextlib
 import functools
 import hashlib
 import hmac
-import http
 import json
 import logging
 import os
@@ -26,13 +25,10 @@ import anyio
 import anyio.to_thread
 from litestar import Litestar, Request, Response, get, head, post, put
 from litestar.connection import ASGIConnection
-from litestar.enums import ScopeType
-from litestar.exceptions import HTTPException, MethodNotAllowedException, NotFoundException, ValidationException
+from litestar.exceptions import HTTPException
 from litestar.handlers.base import BaseRouteHandler
 from litestar.params import FromPath, FromQuery, QueryParameter
 from litestar.response import Stream
-from litestar.types import ASGIApp, HTTPScope, Message, Receive, Scope, Send
-from litestar.utils import normalize_path
 from pydantic import BaseModel
 
 import kvgraft
@@ -56,271 +52,32 @@ from .accounts import TokenInfo
 from .blobs import WHOLE_READ_BYTES, BlobScrubber, parse_digest_ref
 from .cosignatures import MAX_WITNESSES, WitnessCollector, witness_targets
 from .datadir import AdminHandle, remove_admin_handle, write_admin_handle
+from .documents import Page
 from .entries import json_depth_within, kind_of_filter
 from .errors import (
     AdminAuthError,
     BadRequestError,
     DocumentTooDeepError,
-    HeadersTooLargeError,
     PayloadTooLargeError,
     RegistryError,
-    storage_error,
 )
 from .openapi import registry_openapi_config
+from .problems import HttpEdge, http_error, internal_error, read_limited, registry_error
 from .ranges import if_range_allows, none_match, parse_range
 from .readcache import EnvelopeCache
 from .security import add_security_headers
 from .sequencer import Sequencer
-from .service import Page, PreparedPublish, Published, Registry
+from .service import PreparedPublish, Published, Registry
 from .settings import RegistrySettings
 from .tiles import CHECKPOINT_CACHE, IMMUTABLE, TILES_PREFIX, tile_resource
-from .ui import browser_error_page, static_router, ui_router
+from .ui import static_router, ui_router
 
 logger = logging.getLogger("kvgraft.registry")
 
-PROBLEM_JSON = "application/problem+json"
 #: Admin secrets start with this, so one is never mistaken for a publisher token.
 ADMIN_SECRET_PREFIX = "kvgadm_"
 
 T = TypeVar("T")
-
-
-# --- problems ----------------------------------------------------------------------------------
-
-
-def problem(
-    status: int,
-    title: str,
-    detail: str,
-    *,
-    type_: str = "about:blank",
-    instance: str | None = None,
-    hint: str | None = None,
-    extra: dict[str, Any] | None = None,
-    headers: dict[str, str] | None = None,
-) -> Response[dict[str, Any]]:
-    """An RFC 9457 problem response."""
-    body: dict[str, Any] = {"type": type_, "title": title, "status": status, "detail": detail}
-    if instance is not None:
-        body["instance"] = instance
-    if hint is not None:
-        body["hint"] = hint
-    for key, value in (extra or {}).items():
-        body.setdefault(key, value)
-    return Response(content=body, status_code=status, media_type=PROBLEM_JSON, headers=headers or {})
-
-
-#: An absolute filesystem path inside a message: '/' then at least one more '/'-separated name,
-#: not part of a URL (no ':' or word character just before it). API paths in messages
-#: ("GET /v1/entries/x ...") are only ever in 4xx answers, which are scrubbed of data paths only.
-_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.~-])/(?:[\w.@+~-]+/)+[\w.@+~-]*")
-
-
-def _scrub(request: Request[Any, Any, Any], text: str, *, server_side: bool) -> str:
-    """``text`` without the data directory's path (always) nor any absolute path (``server_side``).
-
-    No HTTP answer may name a file on the registry's host: the log has the full message.
-    """
-    for root in getattr(request.app.state, "scrub_roots", ()):
-        text = text.replace(root, "DATA")
-    return _ABSOLUTE_PATH.sub("<path>", text) if server_side else text
-
-
-def _scrub_extra(request: Request[Any, Any, Any], extra: dict[str, Any], *, server_side: bool) -> dict[str, Any]:
-    return {k: _scrub(request, v, server_side=server_side) if isinstance(v, str) else v for k, v in extra.items()}
-
-
-def _registry_error(request: Request[Any, Any, Any], exc: RegistryError) -> Response[dict[str, Any]]:
-    if type(exc) is RegistryError:
-        # A plain RegistryError wraps a library failure (DuckDB's "could not write ..."): a full
-        # or read-only disk is the operator's to fix and says so (507/503), not a bare 500.
-        mapped = storage_error(exc.__cause__ if exc.__cause__ is not None else exc, exc.message.partition(":")[0])
-        if mapped is not None:
-            logger.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
-            exc = mapped
-    if exc.status_code >= 500:
-        logger.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
-    server_side = exc.status_code >= 500
-    return problem(
-        exc.status_code,
-        exc.title,
-        _scrub(request, exc.message, server_side=server_side),
-        type_=exc.problem_type,
-        instance=request.url.path,
-        hint=_scrub(request, exc.hint, server_side=server_side) if exc.hint is not None else None,
-        extra=_scrub_extra(request, exc.extra, server_side=server_side),
-        headers=exc.headers(),
-    )
-
-
-def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
-    page = browser_error_page(request, exc)  # a browser's path (not /v1, /schema, /tlog) gets an HTML page
-    if page is not None:
-        return page
-    status = exc.status_code
-    try:
-        title = http.HTTPStatus(status).phrase
-    except ValueError:
-        title = "Error"
-    detail = exc.detail or title
-    extra: dict[str, Any] = {}
-    if isinstance(exc, ValidationException) and isinstance(exc.extra, list) and exc.extra:
-        # Litestar's detail names only the route; say which parameter was wrong.
-        parts = []
-        for item in exc.extra:
-            if isinstance(item, dict):
-                where = " ".join(str(getattr(item[k], "value", item[k])) for k in ("source", "key") if item.get(k))
-                parts.append(f"{where}: {item.get('message', 'invalid')}" if where else str(item.get("message", "invalid")))
-        if parts:
-            detail = "invalid request: " + "; ".join(parts)
-        extra["errors"] = exc.extra
-    hint = None
-    headers = dict(exc.headers or {})
-    if isinstance(exc, MethodNotAllowedException):
-        # Litestar's Allow omits HEAD (answered for every GET route, see HttpEdge) and, on a path
-        # shared by several handlers, some of the methods: recompute it from the routes.
-        allowed = allowed_methods(request.app, request.scope["path"])
-        if allowed:
-            headers = {k: v for k, v in headers.items() if k.lower() != "allow"} | {"Allow": ", ".join(allowed)}
-    if status in (404, 405) and detail == title:
-        detail = f"{request.method} {request.url.path} is not part of this registry's API"
-        hint = "the API is described at /schema (OpenAPI) and in docs/registry.md"
-    if status >= 500:
-        logger.error("%s %s failed: %s", request.method, request.url.path, detail)
-    detail = _scrub(request, detail, server_side=status >= 500)
-    return problem(status, title, detail, instance=request.url.path, hint=hint, extra=extra, headers=headers)
-
-
-def _internal_error(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
-    logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    mapped = storage_error(exc, "the request could not be completed") if isinstance(exc, OSError) else None
-    if mapped is not None:
-        return _registry_error(request, mapped)
-    return problem(
-        500,
-        "Internal Server Error",
-        "the registry failed to handle this request",
-        instance=request.url.path,
-        hint="retry; if it persists, report it to the registry's operator (the server log has the details)",
-    )
-
-
-# --- the HTTP edge: header limits, OPTIONS and HEAD, before any route runs -------------------------
-
-#: The methods a route may have, in the order an Allow header lists them.
-_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
-
-
-def allowed_methods(app: Litestar, path: str) -> list[str]:
-    """The methods ``path`` answers (HEAD wherever GET is, OPTIONS always); [] when no route matches."""
-    normalized = normalize_path(path)
-    found: list[str] = []
-    for method in _METHODS:
-        try:
-            app.asgi_router.handle_routing(path=normalized, method=method)
-        except MethodNotAllowedException:
-            continue
-        except NotFoundException:
-            return []
-        found.append(method)
-    if "GET" in found and "HEAD" not in found:
-        found.insert(found.index("GET") + 1, "HEAD")
-    return [*found, "OPTIONS"] if found else []
-
-
-def _problem_messages(exc: RegistryError, path: str) -> tuple[Message, Message]:
-    body = {
-        "type": exc.problem_type, "title": exc.title, "status": exc.status_code, "detail": exc.message,
-        "instance": path, "hint": exc.hint,
-    }
-    data = json.dumps(body).encode("utf-8")
-    start: Message = {
-        "type": "http.response.start",
-        "status": exc.status_code,
-        "headers": [
-            (b"content-type", PROBLEM_JSON.encode("ascii")),
-            (b"content-length", str(len(data)).encode("ascii")),
-            # The client sent what this server will not parse again on this connection.
-            (b"connection", b"close"),
-        ],
-    }
-    return start, {"type": "http.response.body", "body": data, "more_body": False}
-
-
-class HttpEdge:
-    """ASGI wrapper around the app's router, run for every HTTP request, matched or not.
-
-    - Requests whose headers exceed ``max_header_bytes`` (names, values and 4 bytes of ': '
-      and CRLF each) or ``max_header_count`` are answered 431 before routing (the uvicorn
-      protocol in server.py refuses them earlier still, while they arrive).
-    - ``OPTIONS`` answers 204 with an ``Allow`` listing exactly the path's methods.
-    - ``HEAD`` on a route that has GET but no HEAD handler runs GET and sends its headers only.
-    """
-
-    def __init__(self, app: Litestar, inner: ASGIApp, settings: RegistrySettings) -> None:
-        self.app = app
-        self.inner = inner
-        self.max_header_bytes = settings.max_header_bytes
-        self.max_header_count = settings.max_header_count
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != ScopeType.HTTP:  # a str enum: equal to the server's plain "http"
-            await self.inner(scope, receive, send)
-            return
-        # ASGI gives the headers as an iterable of pairs (servers pass a list); read them once.
-        headers = list(scope["headers"])
-        if len(headers) > self.max_header_count:
-            await self._refuse(send, scope, HeadersTooLargeError(
-                f"the request has {len(headers)} headers; this registry accepts at most {self.max_header_count}"
-            ))
-            return
-        size = sum(len(name) + len(value) + 4 for name, value in headers)
-        if size > self.max_header_bytes:
-            await self._refuse(send, scope, HeadersTooLargeError(
-                f"the request's headers are {size} bytes; this registry accepts at most {self.max_header_bytes}"
-            ))
-            return
-        method = scope["method"]
-        if method in ("OPTIONS", "HEAD"):
-            allowed = allowed_methods(self.app, scope["path"])
-            if method == "OPTIONS" and allowed:
-                await send({"type": "http.response.start", "status": 204, "headers": [(b"allow", ", ".join(allowed).encode("ascii"))]})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return
-            if method == "HEAD" and allowed and not self._has_head_handler(scope["path"]):
-                as_get: HTTPScope = {**scope, "method": "GET"}
-                await self.inner(as_get, receive, _headers_only(send))
-                return
-        await self.inner(scope, receive, send)
-
-    def _has_head_handler(self, path: str) -> bool:
-        try:
-            self.app.asgi_router.handle_routing(path=normalize_path(path), method="HEAD")
-        except (MethodNotAllowedException, NotFoundException):
-            return False
-        return True
-
-    @staticmethod
-    async def _refuse(send: Send, scope: Scope, exc: RegistryError) -> None:
-        logger.warning("%s %s refused: %s", scope.get("method"), scope.get("path"), exc.message)
-        for message in _problem_messages(exc, str(scope.get("path", ""))):
-            await send(message)
-
-
-def _headers_only(send: Send) -> Send:
-    """``send`` for a HEAD answered by GET: the start message as is, the body dropped."""
-    done = False
-
-    async def wrapped(message: Message) -> None:
-        nonlocal done
-        if message["type"] == "http.response.body":
-            if not done and not message.get("more_body", False):
-                done = True
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
-        await send(message)
-
-    return wrapped
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -411,23 +168,6 @@ def _wire(model: type[_M], document: Any) -> _M:
 def _blob_hex(digest: str) -> str:
     # The path parameter keeps its leading '/', and may hold further '/' or '..': all refused.
     return parse_digest_ref(digest[1:] if digest.startswith("/") else digest, what="blob digest")
-
-
-async def _read_limited(request: Request[Any, Any, Any], limit: int, what: str) -> bytes:
-    declared = request.headers.get("content-length")
-    # ASCII digits only: str.isdigit() also takes '²', which int() refuses.
-    if declared is not None and not (declared.isascii() and declared.isdigit()):
-        declared = None
-    if declared is not None and int(declared) > limit:
-        raise PayloadTooLargeError(f"the {what} is {declared} bytes; this registry accepts at most {limit}", extra={"limit": limit})
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLargeError(f"the {what} is larger than this registry's limit of {limit} bytes", extra={"limit": limit})
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 # --- blobs -------------------------------------------------------------------------------------
@@ -576,7 +316,7 @@ async def post_entry(request: Request[Any, Any, Any]) -> Response[EntryDocument]
     # On its way to the sequencer from here: an open batch waits for it (up to batch_wait_ms).
     with registry.sequencer.arriving() if registry.sequencer is not None else contextlib.nullcontext():
         token = await _authenticate(request)
-        body = await _read_limited(request, registry.settings.max_envelope_bytes, "envelope")
+        body = await read_limited(request, registry.settings.max_envelope_bytes, "envelope")
         # Verified in a worker thread, concurrently with other publishes; then queued for the
         # sequencer, whose batch answers it once durable: no thread waits meanwhile.
         prepared = await _run(registry.prepare_publish, body, token)
@@ -596,14 +336,14 @@ async def list_entries(
 ) -> EntryPage:
     """Every entry's metadata in log order, paginated (for mirrors and auditors)."""
     registry = _registry(request)
-    page = await _run(registry.list_entries, cursor, _limit(registry, limit))
+    page = await _run(registry.reader.list_entries, cursor, _limit(registry, limit))
     return _wire(EntryPage, _page(page))
 
 
 @get("/v1/entries/{ref:str}", guards=[read_guard], summary="One entry")
 async def get_entry(request: Request[Any, Any, Any], ref: FromPath[str]) -> EntryDocument:
     """An entry by log index or envelope digest: metadata, inclusion proof and the latest checkpoint."""
-    return _wire(EntryDocument, await _run(_registry(request).entry, ref))
+    return _wire(EntryDocument, await _run(_registry(request).reader.entry, ref))
 
 
 @get("/v1/entries/{ref:str}/envelope", guards=[read_guard], summary="An entry's envelope bytes")
@@ -614,7 +354,7 @@ async def get_envelope(request: Request[Any, Any, Any], ref: FromPath[str]) -> R
     cache: EnvelopeCache = request.app.state.envelopes
     found = cache.get(ref)
     if found is None:
-        data, digest = await _run(_registry(request).envelope, ref)
+        data, digest = await _run(_registry(request).reader.envelope, ref)
         found = cache.put(ref, digest, data)
     etag = f'"{found.digest}"'
     headers = {"ETag": etag, "Cache-Control": IMMUTABLE}
@@ -729,7 +469,7 @@ async def list_artifacts(
         # Given but empty or malformed is a 400, as the schema says (the service skips an empty one).
         parse_digest_ref(parent, what="parent")
     page = await _run(
-        registry.list_artifacts,
+        registry.reader.list_artifacts,
         model=model, profile=profile, parent=parent, publisher=publisher, q=q, cursor=cursor, limit=_limit(registry, limit),
     )
     return _wire(ArtifactPage, _page(page))
@@ -744,7 +484,7 @@ async def get_artifact(
     The entry is the first signed by key ``signer`` (a key id) when given, else the first logged;
     ``other_entries`` lists every other claim on the same tensors, with its signers' key ids."""
     parse_digest_ref(digest, what="artifact digest")
-    return _wire(ArtifactDocument, await _run(_registry(request).artifact, digest, signer))
+    return _wire(ArtifactDocument, await _run(_registry(request).reader.artifact, digest, signer))
 
 
 @get("/v1/records", guards=[read_guard], summary="List records")
@@ -764,7 +504,7 @@ async def list_records(
     if kind is not None:
         kind_of_filter(kind)
     page = await _run(
-        registry.list_records, artifact=artifact, kind=kind, publisher=publisher, cursor=cursor, limit=_limit(registry, limit)
+        registry.reader.list_records, artifact=artifact, kind=kind, publisher=publisher, cursor=cursor, limit=_limit(registry, limit)
     )
     return _wire(EntryPage, _page(page))
 
@@ -772,7 +512,7 @@ async def list_records(
 @get("/v1/publishers", guards=[read_guard], summary="Publishers and their keys")
 async def list_publishers(request: Request[Any, Any, Any]) -> PublisherList:
     """Every publisher with its registered key ids and public keys."""
-    return _wire(PublisherList, {"publishers": await _run(_registry(request).publishers)})
+    return _wire(PublisherList, {"publishers": await _run(_registry(request).reader.publishers)})
 
 
 def _digest_matches(registry: Registry, prefix: str, artifacts_only: bool) -> dict[str, Any]:
@@ -965,7 +705,7 @@ def create_app(data_dir: Path, settings: RegistrySettings | None = None) -> Lite
         lifespan=[lifespan],
         # Security headers (CSP and friends) on every response, errors and 404s included.
         before_send=[add_security_headers],
-        exception_handlers={RegistryError: _registry_error, HTTPException: _http_error, Exception: _internal_error},
+        exception_handlers={RegistryError: registry_error, HTTPException: http_error, Exception: internal_error},
         # The app logs through "kvgraft.registry"; configuring the process's logging is the
         # caller's business (kvgraft serve does it), not the app's.
         logging_config=None,

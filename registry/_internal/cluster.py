@@ -43,13 +43,36 @@ import logging
 import os
 import socket
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .db import ACCOUNTS_CHANNEL, LOG_CHANNEL, Connection, PostgresConnection, PostgresDialect, now_utc, session_tag
+from .accounts import Accounts
+from .db import (
+    ACCOUNTS_CHANNEL,
+    LOG_CHANNEL,
+    Connection,
+    Database,
+    PostgresConnection,
+    PostgresDialect,
+    now_utc,
+    session_tag,
+)
 from .errors import NotSequencerError, RegistryError
 
-if TYPE_CHECKING:
-    from .service import Registry
+
+class LogFollower(Protocol):
+    """What the lease drives of the registry (``service.Registry``): load what other processes
+    appended, take over as the sequencer, see account changes. A protocol, so that this module does
+    not import the service that builds it."""
+
+    @property
+    def db(self) -> Database: ...
+
+    @property
+    def accounts(self) -> Accounts: ...
+
+    def catch_up(self) -> bool: ...
+
+    def take_over(self) -> int: ...
 
 logger = logging.getLogger("kvgraft.registry")
 
@@ -84,7 +107,7 @@ class Cluster:
 
     def __init__(
         self,
-        registry: Registry,
+        registry: LogFollower,
         *,
         url: str | None,
         poll_seconds: float = LEASE_POLL_SECONDS,

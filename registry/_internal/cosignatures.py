@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvgraft.verifier import (
     MalformedInputError,
@@ -44,11 +44,10 @@ from kvgraft.verifier import (
 from .db import Database, now_utc
 from .ddl import Migration, register
 from .errors import ConfigError, WitnessSubmissionError
+from .log import LogHead
 
 if TYPE_CHECKING:
     import httpx
-
-    from .service import Registry
 
 logger = logging.getLogger("kvgraft.registry")
 
@@ -176,10 +175,27 @@ class CosignatureStore:
 # --- the collector -----------------------------------------------------------------------------
 
 
+class CheckpointSource(Protocol):
+    """What the collector reads of the registry (``service.Registry``): its database, whether this
+    process sequences, the announced head and consistency proofs. A protocol, so that this module
+    does not import the service that builds it."""
+
+    @property
+    def db(self) -> Database: ...
+
+    @property
+    def sequences(self) -> bool: ...
+
+    @property
+    def head(self) -> LogHead: ...
+
+    def consistency_proof(self, old: int, new: int | None) -> dict[str, Any]: ...
+
+
 class WitnessCollector:
     """One daemon thread per witness submitting the registry's newest checkpoint; ``stop`` joins them."""
 
-    def __init__(self, registry: Registry, targets: Sequence[WitnessTarget], timeout: float) -> None:
+    def __init__(self, registry: CheckpointSource, targets: Sequence[WitnessTarget], timeout: float) -> None:
         self.registry = registry
         self.store = CosignatureStore(registry.db)
         self.timeout = timeout

@@ -141,7 +141,7 @@ def _parameter_schema(name: str, settings: RegistrySettings) -> dict[str, Any] |
     if name == "artifact":
         return dict(_DIGEST)
     if name == "cursor":
-        # service.encode_cursor: the decimal log index the page continues after; empty is the first page.
+        # documents.encode_cursor: the decimal log index the page continues after; empty is the first page.
         return {"type": "string", "pattern": r"^(|0|[1-9][0-9]{0,18})$"}
     if name == "type":
         return {"type": "string", "enum": [*RECORD_KINDS, *(uri for uri, kind in KINDS.items() if kind in RECORD_KINDS)]}

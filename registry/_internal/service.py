@@ -1,8 +1,9 @@
 """The registry service: database, transparency log, blob store and accounts behind one lock.
 
-This module holds the write path (publish, append, the signed head) and builds the API's
-documents; its read methods read through the model the pages share too, ``queries.py`` (only
-the start-up checks of the log read their tables directly).
+This module holds the write path (publish, append, the signed head) and the log's head and
+proofs; the reads are ``Registry.reader`` (reader.py, through the model the pages share too,
+``queries.py``), the documents both build are documents.py, and the start-up checks of the
+log against ``signed-head.json`` are signedhead.py.
 
 Every method is blocking and thread-safe; the app calls them from worker threads. A publish is
 two steps (what Trillian's sequencer and Tessera do). ``prepare_publish`` checks everything
@@ -16,12 +17,8 @@ published in the same batch, or a crash can never interleave with it. A batch's 
 their log leaves and one new signed checkpoint are committed together or not at all.
 
 The log cannot fork. After each commit, and before any publish of the batch is answered, the
-new tree head is written (fsynced) to ``signed-head.json`` beside the database. At start the
-registry refuses a database whose tree is smaller than that head, or whose root at that size
-differs (``LogRollbackError``): a lost WAL or a restored older copy would otherwise make it
-sign a second, different tree of a size it already signed. A database ahead of the file (a
-crash between the commit and the file write) is fine: the file is advanced to the database's
-head.
+new tree head is written (fsynced) to ``signed-head.json`` beside the database; at start a
+database behind it is refused (signedhead.py).
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import re
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -38,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 
-from kvgraft.schemas import DocumentError, parse_json, payload_unverified
 from kvgraft.verifier import (
     KeyId,
     LogProofError,
@@ -51,22 +46,20 @@ from kvgraft.verifier import (
 from . import queries, search
 from .accounts import Accounts, TokenInfo
 from .blobfactory import open_blob_store
-from .blobs import BlobStore, parse_digest_ref
+from .blobs import BlobStore
 from .cosignatures import CosignatureStore
 from .datadir import (
     SIGNED_HEAD_FILE,
     DataDir,
-    SignedHead,
     check_blob_store,
     check_registry_key,
     ensure_registry_key,
     prepare,
-    read_signed_head,
-    remove_stale_head_temps,
     resolve_origin,
     write_signed_head,
 )
 from .db import Connection, Database, insert_rows, now_utc
+from .documents import entry_meta
 from .entries import (
     ArtifactFields,
     IndexedStatement,
@@ -75,9 +68,6 @@ from .entries import (
     verify_for_token,
 )
 from .errors import (
-    ArtifactNotFoundError,
-    BadRequestError,
-    EntryNotFoundError,
     InvalidLineageError,
     InvalidStatementError,
     KeyNotBoundError,
@@ -93,33 +83,28 @@ from .errors import (
     storage_error,
 )
 from .log import LogHead, TransparencyLog, format_vkey, hash_leaf, verify_checkpoint
-from .queries import Ancestry, ArtifactFilter, EntryRow, Listing, RecordFilter, Seek
+from .queries import Ancestry, EntryRow
 from .ratelimit import RateLimiter
+from .reader import Reader
 from .sequencer import Sequencer
 from .settings import RegistrySettings
+from .signedhead import (
+    advance_signed_head,
+    check_signed_head,
+    load_leaves,
+    restore_hint,
+    sign_empty,
+    signed_head,
+    stored_head,
+)
 
 if TYPE_CHECKING:
     from .cluster import Cluster
 
 logger = logging.getLogger("kvgraft.registry")
 
-#: A log index in a path: ASCII digits only (str.isdigit() also takes '³' and '٣'), at most 19 (BIGINT).
-_INDEX_REF = re.compile(r"[0-9]{1,19}", re.ASCII)
-#: The meta key recording that this database has written signed-head.json at least once.
-_HEAD_FILE_META = "signed_head_file"
-_TEXT_PREVIEW = 200
 #: Leaves one catch-up with another process's appends loads at most (about 2 MiB of hashes).
 CATCH_UP_LEAVES = 65536
-#: Seconds after which a temp file of signed-head.json is a crash's leftover, when processes share the data directory.
-_SHARED_TEMP_AGE = 60.0
-
-
-@dataclass(frozen=True)
-class Page:
-    """One page of a listing, and the cursor of the next (None at the end)."""
-
-    items: list[dict[str, Any]]
-    next_cursor: str | None
 
 
 @dataclass(frozen=True)
@@ -194,28 +179,6 @@ _SUBJECT_TYPES = (("log_index", "BIGINT"), ("name", "VARCHAR"), ("digest", "VARC
 _REF_TYPES = (("log_index", "BIGINT"), ("ref", "VARCHAR"), ("role", "VARCHAR"))
 
 
-#: A cursor is the decimal log index the next page continues after: any such number is a valid
-#: cursor (the page after it may be empty), so the API's schema can say exactly what it accepts.
-_CURSOR = re.compile(r"(?:0|[1-9][0-9]{0,18})", re.ASCII)
-
-
-def encode_cursor(log_index: int) -> str:
-    """The cursor meaning "after entry ``log_index``" (stable: the log only grows): its decimal."""
-    return str(log_index)
-
-
-def decode_cursor(cursor: str | None) -> int:
-    """The log index a cursor continues after (-1 for the first page, no cursor or an empty one)."""
-    if cursor is None or cursor == "":
-        return -1
-    if _CURSOR.fullmatch(cursor) is None:
-        raise BadRequestError(
-            f"cursor {cursor[:40]!r} is not one this registry issued",
-            hint="pass next_cursor from the previous page unchanged, or no cursor for the first page",
-        )
-    return int(cursor)
-
-
 def _digest_of(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
@@ -245,6 +208,8 @@ class Registry:
         #: On a shared (PostgreSQL) database: this process's sequencer lease (cluster.py), set by
         #: the app; without one this process sequences nothing there.
         self.cluster: Cluster | None = None
+        #: The reads (reader.py), at the head this registry announces.
+        self.reader = Reader(db, settings, log, self.cosignatures, self.accounts, self)
 
     @classmethod
     @contextlib.contextmanager
@@ -273,13 +238,13 @@ class Registry:
                 blobs.prepare()
                 # Once the store answered (one that cannot be used is never recorded as the log's).
                 check_blob_store(db, settings.blob_store, moved=settings.blob_store_moved)
-                log = TransparencyLog(origin, key, _load_leaves(db))
+                log = TransparencyLog(origin, key, load_leaves(db))
                 # The database must agree with itself, then with the head saved outside it, before
                 # anything is signed (an empty database gets checkpoint 0 signed here).
-                stored = _stored_head(db, log)
-                saved = _check_signed_head(data, db, log, adopt=settings.adopt_database_head)
-                head = stored if stored is not None else _sign_empty(db, log)
-                _advance_signed_head(data, db, log, head, saved)
+                stored = stored_head(db, log)
+                saved = check_signed_head(data, db, log, adopt=settings.adopt_database_head)
+                head = stored if stored is not None else sign_empty(db, log)
+                advance_signed_head(data, db, log, head, saved)
                 logger.info("registry %s: log %s at size %d (%s)", root, origin, log.size, db.dialect.name)
                 db.release_log()
                 started = True
@@ -302,7 +267,7 @@ class Registry:
         ``tree_size`` when given, and then that one) cosigned by at least that many witness keys
         (404 when there is none)."""
         if tree_size is not None:
-            self._sees(tree_size)
+            self.sees(tree_size)
         head = self.head
         if witnessed is not None:
             newest = head.size if tree_size is None else min(tree_size, head.size)
@@ -360,7 +325,7 @@ class Registry:
     def _announced(self, tree_size: int | None) -> int:
         # Proofs are for tree sizes a checkpoint was handed out for: never past the saved head.
         if tree_size is not None:
-            self._sees(tree_size)
+            self.sees(tree_size)
         head = self._head.size
         if tree_size is None:
             return head
@@ -378,7 +343,7 @@ class Registry:
         """Whether this process appends to the log: always on DuckDB; on a shared database while it holds the lease."""
         return not self.db.dialect.shared or (self.cluster is not None and self.cluster.holds_lease)
 
-    def _sees(self, tree_size: int) -> None:
+    def sees(self, tree_size: int) -> None:
         """Catch up first when a read asks past this process's head (another may have appended)."""
         if tree_size > self._head.size and self.db.dialect.shared:
             self.catch_up()
@@ -405,12 +370,12 @@ class Registry:
                 # Leaves past the head (a batch this process appended as sequencer, which failed or was
                 # refused): the database decides which exist, so the tree restarts from its head, as the
                 # database has it (which also checks that the database still holds that tree).
-                log.reset(_load_leaves(self.db)[: head.size])
+                log.reset(load_leaves(self.db)[: head.size])
                 if log.size != head.size or log.root(head.size) != head.root_hash:
                     raise LogRollbackError(
                         f"the database no longer holds the tree of size {head.size} this server handed out: "
                         "it was rolled back or replaced; serving it would fork the log",
-                        hint=_restore_hint(self.db, head.size),
+                        hint=restore_hint(self.db, head.size),
                     )
             newest = queries.newest_checkpoint(self.db, log.size + max_leaves)
             size = -1 if newest is None else newest.tree_size
@@ -418,7 +383,7 @@ class Registry:
                 raise LogRollbackError(
                     f"the database's newest checkpoint is at tree size {size}, but this server already handed out "
                     f"size {head.size}: the database was rolled back; serving it would fork the log",
-                    hint=_restore_hint(self.db, head.size),
+                    hint=restore_hint(self.db, head.size),
                 )
             if newest is None or size == head.size:
                 return False
@@ -441,7 +406,7 @@ class Registry:
             # Saved outside the database before it is served, as the sequencer saves what it signs: a
             # database restored from an older copy is then refused by this process too, after a restart.
             try:
-                write_signed_head(self.data, _signed(log.origin, new), root_at=log.root)
+                write_signed_head(self.data, signed_head(log.origin, new), root_at=log.root)
             except OSError as e:
                 self.log.truncate(known)
                 raise SignedHeadWriteError(
@@ -467,8 +432,8 @@ class Registry:
         with self.db.lock, self.db.log_held():
             while self.catch_up():
                 pass
-            saved = _check_signed_head(self.data, self.db, self.log, adopt=False)
-            _advance_signed_head(self.data, self.db, self.log, self._head, saved)
+            saved = check_signed_head(self.data, self.db, self.log, adopt=False)
+            advance_signed_head(self.data, self.db, self.log, self._head, saved)
             return self._head.size
 
     def _check_lease(self) -> Cluster | None:
@@ -551,7 +516,7 @@ class Registry:
             # blob, or a lowered depth limit, refuses only what is new).
             existing = queries.index_of(self.db, digest)
             if existing is not None:
-                return Published(self._entry_document(existing), created=False)
+                return Published(self.reader.entry_document(existing), created=False)
             raise
         return PreparedPublish(
             body=body,
@@ -671,18 +636,18 @@ class Registry:
             return
         for i, index in earlier:
             try:
-                outcomes[i] = Published(self._entry_document(index), created=False)
+                outcomes[i] = Published(self.reader.entry_document(index), created=False)
             except RegistryError as e:
                 outcomes[i] = e
 
     def _announce_committed(self) -> None:
         """Save and announce the latest stored checkpoint, which covers entries committed but not announced."""
         with self.db.lock:
-            head = _stored_head(self.db, self.log)
+            head = stored_head(self.db, self.log)
             if head is None or head.size <= self._head.size:
                 return
             try:
-                write_signed_head(self.data, _signed(self.log.origin, head), root_at=self.log.root)
+                write_signed_head(self.data, signed_head(self.log.origin, head), root_at=self.log.root)
             except OSError as e:
                 what = "the entry was recorded but its signed tree head could not be saved"
                 raise storage_error(e, what) or SignedHeadWriteError(f"{what} ({e.strerror})") from e
@@ -802,7 +767,7 @@ class Registry:
             # durable outside the database too; if that write fails the entries stay recorded but
             # unannounced, and the next batch (or restart) announces them with its successor.
             try:
-                write_signed_head(self.data, _signed(self.log.origin, head), root_at=self.log.root)
+                write_signed_head(self.data, signed_head(self.log.origin, head), root_at=self.log.root)
             except OSError as e:
                 logger.error("entries %d to %d committed, but %s could not be written: %s", first, head.size - 1, SIGNED_HEAD_FILE, e)
                 what = "the entry was recorded but its signed tree head could not be saved"
@@ -823,171 +788,12 @@ class Registry:
         """
         subjects = [{"name": n, "digest": d} for n, d in sorted(entry.prepared.indexed.subjects)]
         return {
-            "entry": _entry_meta(entry.row, subjects),
+            "entry": entry_meta(entry.row, subjects),
             "inclusion_proof": self.log.inclusion(entry.row.log_index, head.size),
             "checkpoint": head.note.decode("utf-8"),
         }
 
-    # --- reading entries -------------------------------------------------------------------
-
-    def _render(self, rows: list[EntryRow]) -> list[dict[str, Any]]:
-        subjects = queries.subjects(self.db, [r.log_index for r in rows])
-        return [_entry_meta(r, [s._asdict() for s in subjects.get(r.log_index, [])]) for r in rows]
-
-    def resolve_entry(self, ref: str) -> int:
-        """The log index named by ``ref``: a decimal index or ``sha256:<hex>`` of the envelope."""
-        with self.db.lock:
-            if _INDEX_REF.fullmatch(ref):
-                index = int(ref)
-                self._sees(index + 1)
-                size = self._head.size
-                if index >= size:
-                    raise EntryNotFoundError(f"the log has {size} entries; there is no entry {index}")
-                return index
-            if ref.startswith("sha256:"):
-                parse_digest_ref(ref, what="entry digest")
-                found = queries.index_of(self.db, ref)
-                if found is None:
-                    raise EntryNotFoundError(f"no entry has digest {ref}")
-                self._sees(found + 1)
-                return found
-        raise BadRequestError(
-            f"{ref[:80]!r} names no entry",
-            hint="use a log index (ASCII digits: 0, 1, ...) or the envelope's digest sha256:<64 lowercase hex>",
-        )
-
-    def _entry_document(self, index: int) -> dict[str, Any]:
-        with self.db.lock:
-            row = queries.entry_at(self.db, index)
-            if row is None:
-                raise EntryNotFoundError(f"there is no entry {index}")
-            head = self._head
-            return {
-                "entry": self._render([row])[0],
-                "inclusion_proof": self.log.inclusion(index, head.size),
-                "checkpoint": (head.note + self.cosignatures.lines(head.size)).decode("utf-8"),
-            }
-
-    def entry(self, ref: str) -> dict[str, Any]:
-        """An entry's metadata with its inclusion proof at the latest checkpoint, and that checkpoint."""
-        with self.db.lock:
-            return self._entry_document(self.resolve_entry(ref))
-
-    def envelope(self, ref: str) -> tuple[bytes, str]:
-        """The exact stored envelope bytes of an entry, and its digest."""
-        with self.db.lock:
-            index = self.resolve_entry(ref)
-            stored = queries.stored_envelope(self.db, index)
-        if stored is None:
-            raise EntryNotFoundError(f"there is no entry {index}")
-        return stored.envelope, stored.digest
-
-    def list_entries(self, cursor: str | None, limit: int) -> Page:
-        """Entries in log order (for mirrors and auditors)."""
-        seek = Seek(limit, after=decode_cursor(cursor))
-        with self.db.lock:
-            listing = queries.entries(self.db, queries.ALL, seek)
-            return _page(self._render(listing.rows), listing)
-
-    # --- artifacts and records -------------------------------------------------------------
-
-    def list_artifacts(
-        self,
-        *,
-        model: str | None = None,
-        profile: str | None = None,
-        parent: str | None = None,
-        publisher: str | None = None,
-        q: str | None = None,
-        cursor: str | None = None,
-        limit: int,
-    ) -> Page:
-        """Artifact entries in log order, filtered (``queries.ArtifactFilter``); ``parent="none"`` lists roots."""
-        seek = Seek(limit, after=decode_cursor(cursor))
-        # Checked and bounded before the lock: a refused query never reaches the database.
-        where = ArtifactFilter(model=model, profile=profile, parent=parent, publisher=publisher, q=q).where(self.settings)
-        with self.db.lock:
-            listing = queries.entries(self.db, where, seek)
-        return _page([_artifact_summary(r) for r in listing.rows], listing)
-
-    def artifact(self, digest: str, signer: str | None = None) -> dict[str, Any]:
-        """An artifact by its tensors digest: statement, envelope, entry, lineage, proof, checkpoint.
-
-        Anyone may log a statement about any tensors, so no entry owns a digest: the document is
-        built from the first entry signed by key ``signer`` (a key id) when given, else from the
-        first logged, and ``other_entries`` names every other claim with its signers' key ids.
-        """
-        signer = queries.check_signer(signer)
-        with self.db.lock:
-            rows = queries.artifact_entries(self.db, digest)
-            if not rows:
-                raise ArtifactNotFoundError(f"no KV artifact with tensors {digest} is in this registry")
-            first = queries.claim_by(rows, signer)
-            if first is None:
-                raise ArtifactNotFoundError(
-                    f"no entry of the KV artifact {digest} is signed by key {signer}; {len(rows)} entr"
-                    f"{'y' if len(rows) == 1 else 'ies'} by other keys claim these tensors",
-                    hint="ask without signer to see every claim (other_entries), or pass the key id of the publisher you trust",
-                )
-            stored = queries.stored_envelope(self.db, first.log_index)
-            envelope_bytes = b"" if stored is None else stored.envelope
-            head = self._head
-            document = {
-                "artifact": _artifact_summary(first, full_text=True),
-                "entry": self._render([first])[0],
-                "other_entries": _other_claims(rows, first),
-                "statement": _statement_json(envelope_bytes),
-                "envelope": parse_json(envelope_bytes, what="stored envelope"),
-                "lineage": self._lineage(first),
-                "inclusion_proof": self.log.inclusion(first.log_index, head.size),
-                "checkpoint": (head.note + self.cosignatures.lines(head.size)).decode("utf-8"),
-            }
-        return document
-
-    def _lineage(self, row: EntryRow) -> dict[str, Any]:
-        assert row.artifact is not None
-        walk = queries.ancestors(self.db, row.artifact.digest, row.artifact.parent, self.settings.max_lineage_depth)
-        if walk.cut == "cycle":
-            logger.error("artifact lineage of %s has a cycle at %s", row.artifact.digest, walk.cut_at)
-        parents = [
-            {"digest": a.digest, "log_index": None} if a.entry is None else _artifact_summary(a.entry)
-            for a in walk.ancestors
-        ]
-        children = queries.children(self.db, row.artifact.digest)
-        return {"parents": parents, "children": [_artifact_summary(r) for r in children]}
-
-    def list_records(
-        self,
-        *,
-        artifact: str | None = None,
-        kind: str | None = None,
-        publisher: str | None = None,
-        cursor: str | None = None,
-        limit: int,
-    ) -> Page:
-        """Record entries (exactness, evaluation, pre-registration, replay) in log order, filtered."""
-        seek = Seek(limit, after=decode_cursor(cursor))
-        where = RecordFilter(kind=kind, publisher=publisher, artifact=artifact).where(
-            artifacts_hint="list artifacts with GET /v1/artifacts"
-        )
-        with self.db.lock:
-            listing = queries.entries(self.db, where, seek)
-            return _page(self._render(listing.rows), listing)
-
-    def publishers(self) -> list[dict[str, Any]]:
-        """Publishers and their keys."""
-        return self.accounts.publishers()
-
-
 # --- helpers -----------------------------------------------------------------------------------
-
-
-def _other_claims(rows: list[EntryRow], chosen: EntryRow) -> list[dict[str, Any]]:
-    """Every entry of an artifact but ``chosen``, in log order: each a claim by its own signers."""
-    return [
-        {"log_index": r.log_index, "digest": r.digest, "publisher": r.publisher, "keyids": list(r.keyids)}
-        for r in rows if r.log_index != chosen.log_index
-    ]
 
 
 def _check_join(artifact: ArtifactFields, parent: EntryRow) -> None:
@@ -1042,217 +848,3 @@ def _copy_error(e: RegistryError) -> RegistryError:
     return copy
 
 
-def _load_leaves(db: Database) -> list[bytes]:
-    rows = db.query("SELECT log_index, leaf_hash FROM entries ORDER BY log_index")
-    leaves = []
-    for expected, (index, leaf) in enumerate(rows):
-        if int(index) != expected:
-            raise LogIntegrityError(f"the log has no entry {expected} but has entry {index}: entries are missing")
-        leaves.append(bytes(leaf))
-    return leaves
-
-
-def _sign_empty(db: Database, log: TransparencyLog) -> LogHead:
-    head = log.sign(0)
-    with db.transaction() as conn:
-        conn.execute("INSERT INTO checkpoints VALUES (?, ?, ?, ?)", [0, head.root_hash, head.note, now_utc()])
-    return head
-
-
-def _stored_head(db: Database, log: TransparencyLog) -> LogHead | None:
-    """The database's latest checkpoint, checked against its entries and the key; None for a new log."""
-    row = db.query_one("SELECT tree_size, root_hash, note FROM checkpoints ORDER BY tree_size DESC LIMIT 1")
-    if row is None:
-        if log.size:
-            raise LogIntegrityError(f"the log has {log.size} entries but no checkpoint")
-        return None
-    stored_size, stored_root, stored_note = row
-    size, root, note = int(stored_size), bytes(stored_root), bytes(stored_note)
-    if size != log.size or root != log.root():
-        raise LogIntegrityError(
-            f"the latest checkpoint is at size {size} with root {root.hex()}, but the stored entries make "
-            f"a tree of size {log.size} with root {log.root().hex()}"
-        )
-    try:
-        verify_checkpoint(note, log.origin, log.public_key, origin=log.origin)
-    except (LogProofError, MalformedInputError) as e:
-        raise LogIntegrityError(f"the latest stored checkpoint does not verify with the registry key: {e.message}") from e
-    return LogHead(size=size, root_hash=root, note=note)
-
-
-def _signed(origin: str, head: LogHead) -> SignedHead:
-    return SignedHead(origin=origin, tree_size=head.size, root_hash=head.root_hash, checkpoint=head.note)
-
-
-def _restore_hint(db: Database, size: int) -> str:
-    """How to recover from a database behind the signed head of ``size``, in the words of its engine."""
-    what = (
-        "the PostgreSQL database (pg_restore, or your provider's point-in-time recovery)"
-        if db.dialect.shared
-        else "registry.duckdb (with its .wal)"
-    )
-    return (
-        f"restore {what} from a backup taken at tree size {size} or later; never delete {SIGNED_HEAD_FILE} to get "
-        f"past this: clients that saw size {size} would see a fork"
-    )
-
-
-def _check_signed_head(data: DataDir, db: Database, log: TransparencyLog, *, adopt: bool) -> SignedHead | None:
-    """Refuse a database behind, or different from, the last tree head this registry signed or served.
-
-    Returns the saved head (None when there is none yet: a new data directory, or one made
-    before heads were saved). Raises ``LogRollbackError`` (one line: what happened, how to
-    recover) when the database's tree is smaller than the saved head, its root at that size
-    differs, or the file was removed from a database that had written one.
-
-    A shared (PostgreSQL) database: other processes may be writing the file of a data directory
-    they share at this moment (their temp files are left alone while fresh). A data directory
-    without the file, on a database whose log has entries, cannot tell a live database from one
-    restored from an older copy: it is refused unless ``adopt`` (``kvgraft serve
-    --adopt-database-head``), which trusts the database's head once, loudly (docs/registry.md).
-    """
-    shared = db.dialect.shared
-    remove_stale_head_temps(data, min_age=_SHARED_TEMP_AGE if shared else 0.0)
-    saved = read_signed_head(data)
-    if saved is None:
-        if shared and log.size > 0:
-            if not adopt:
-                raise LogRollbackError(
-                    f"{data.root} has no {SIGNED_HEAD_FILE}, but the shared database already holds a log of {log.size} "
-                    "entries: a data directory new to it cannot tell whether that database was rolled back, and "
-                    "serving it would then fork the log",
-                    hint=f"copy {SIGNED_HEAD_FILE} from a running server's data directory; or, for a new server "
-                    "joining a database you know is current, start it once with --adopt-database-head; if the "
-                    f"file was deleted, restore it from a backup instead",
-                )
-            logger.warning(
-                "ADOPTING the shared database's log head as this data directory's (--adopt-database-head): "
-                "tree size %d, root %s, saved to %s; from now on this server refuses any database behind it",
-                log.size, log.root().hex(), data.root / SIGNED_HEAD_FILE,
-            )
-        elif not shared and db.get_meta(_HEAD_FILE_META) is not None:
-            raise LogRollbackError(
-                f"{SIGNED_HEAD_FILE} is missing from the data directory, but this database has written one: "
-                "without it the registry cannot tell whether the database was rolled back",
-                hint=f"restore {SIGNED_HEAD_FILE} from the backup registry.duckdb came from; do not start without it",
-            )
-        return None
-    backup = "the PostgreSQL database" if shared else "registry.duckdb"
-    try:
-        checkpoint = verify_checkpoint(saved.checkpoint, log.origin, log.public_key, origin=log.origin)
-    except (LogProofError, MalformedInputError) as e:
-        raise LogRollbackError(
-            f"{SIGNED_HEAD_FILE} holds a checkpoint that does not verify as this log's ({log.origin}): {e.message}",
-            hint=f"restore {SIGNED_HEAD_FILE} from the same backup as {backup} and the registry key",
-        ) from e
-    if (checkpoint.size, checkpoint.root_hash) != (saved.tree_size, saved.root_hash) or saved.origin != log.origin:
-        raise LogRollbackError(
-            f"{SIGNED_HEAD_FILE} names tree size {saved.tree_size} (log {saved.origin!r}), but its signed "
-            f"checkpoint is for size {checkpoint.size} of log {log.origin!r}",
-            hint=f"restore {SIGNED_HEAD_FILE} from the same backup as {backup}",
-        )
-    lost = "(an older copy restored)" if shared else "(a deleted or truncated WAL, an older copy restored)"
-    if log.size < checkpoint.size:
-        raise LogRollbackError(
-            f"the database holds {log.size} log entries, but this registry already signed a checkpoint at "
-            f"tree size {checkpoint.size} ({SIGNED_HEAD_FILE}): the database was rolled back or lost committed writes "
-            f"{lost}; serving it would fork the log",
-            hint=_restore_hint(db, checkpoint.size),
-        )
-    if log.root(checkpoint.size) != checkpoint.root_hash:
-        raise LogRollbackError(
-            f"the database's first {checkpoint.size} log entries have root {log.root(checkpoint.size).hex()}, but this "
-            f"registry signed root {checkpoint.root_hash.hex()} at that size ({SIGNED_HEAD_FILE}): the database holds "
-            "a different log; serving it would fork the log",
-            hint=_restore_hint(db, checkpoint.size),
-        )
-    return saved
-
-
-def _advance_signed_head(
-    data: DataDir, db: Database, log: TransparencyLog, head: LogHead, saved: SignedHead | None
-) -> None:
-    """Save the database's head when it is ahead of (or there is no) ``signed-head.json``."""
-    if saved is None or saved.tree_size != head.size:
-        try:
-            write_signed_head(data, _signed(log.origin, head), root_at=log.root)
-        except OSError as e:
-            raise SignedHeadWriteError(
-                f"the signed tree head could not be saved to {SIGNED_HEAD_FILE}: {e.strerror}",
-                hint="make the data directory writable (and free disk space), then start again",
-            ) from e
-    if db.get_meta(_HEAD_FILE_META) is None:
-        # Recorded only after the file exists, and checkpointed into the database file, so a
-        # later start can tell "never written" (an upgrade) from "deleted".
-        db.set_meta(_HEAD_FILE_META, SIGNED_HEAD_FILE)
-        db.checkpoint()
-
-
-def _statement_json(envelope_bytes: bytes) -> Any:
-    try:
-        # Verified when it was stored; decoded here for the listing's fields only.
-        return parse_json(payload_unverified(envelope_bytes, what="stored envelope"), what="stored statement")
-    except (DocumentError, MalformedInputError, KeyError, TypeError) as e:
-        raise RegistryError(f"a stored envelope cannot be decoded: {e}") from e
-
-
-def _text_preview(text: str | None) -> str | None:
-    if text is None or len(text) <= _TEXT_PREVIEW:
-        return text
-    return text[: _TEXT_PREVIEW - 1] + "\u2026"
-
-
-def _artifact_block(r: EntryRow, *, full_text: bool = False) -> dict[str, Any] | None:
-    a = r.artifact
-    if a is None:
-        return None
-    block: dict[str, Any] = {
-        "digest": a.digest,
-        "model": {"name": a.model_name, "weights_digest": a.model_weights_digest, "config_digest": a.model_config_digest},
-        "profile": a.profile_name,
-        "parent": a.parent,
-        "chain_key": a.chain_key,
-        "positions": [a.position_start, a.position_end],
-        "tokens": a.position_end - a.position_start,
-        "text_digest": a.source_text_digest,
-    }
-    if full_text:
-        block["text"] = a.source_text
-    else:
-        block["text_preview"] = _text_preview(a.source_text)
-    return block
-
-
-def _entry_meta(r: EntryRow, subjects: list[dict[str, str]]) -> dict[str, Any]:
-    return {
-        "log_index": r.log_index,
-        "digest": r.digest,
-        "leaf_hash": r.leaf_hash.hex(),
-        "payload_type": r.payload_type,
-        "predicate_type": r.predicate_type,
-        "kind": r.kind,
-        "publisher": r.publisher,
-        "keyids": list(r.keyids),
-        "integrated_at": r.integrated_at,
-        "size": r.size,
-        "subjects": subjects,
-        "envelope_url": f"/v1/entries/{r.digest}/envelope",
-        "artifact": _artifact_block(r),
-    }
-
-
-def _artifact_summary(r: EntryRow, *, full_text: bool = False) -> dict[str, Any]:
-    block = _artifact_block(r, full_text=full_text) or {}
-    return {
-        **block,
-        "log_index": r.log_index,
-        "entry_digest": r.digest,
-        "publisher": r.publisher,
-        "keyids": list(r.keyids),
-        "integrated_at": r.integrated_at,
-    }
-
-
-def _page(items: list[dict[str, Any]], listing: Listing[EntryRow]) -> Page:
-    """A page of documents, with the cursor after its last entry when more follow."""
-    return Page(items, encode_cursor(listing.rows[-1].log_index) if listing.more else None)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import quote, urlencode
@@ -65,6 +64,7 @@ from .entries import RECORD_KINDS
 from .errors import ArtifactNotFoundError, BadRequestError, EntryNotFoundError, NotFoundError, RegistryError
 from .queries import ArtifactFilter, EntryRow, EntrySummary, Listing, RecordFilter, Seek, SubjectRow
 from .record_views import evaluation_context, exactness_context, related_records, stored_statement
+from .security import scrub_paths
 from .service import Registry
 from .signatures import publisher_key_rows, verified_status
 
@@ -156,9 +156,10 @@ def _html_error(request: Request[Any, Any, Any], exc: Exception) -> Response[str
         message, hint = "the registry failed to render this page", "retry; if it persists, the server log has the details"
     if status >= 500 and isinstance(exc, RegistryError):
         logger.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
-        # A server fault may name files; a page never shows where the data lives.
-        message = _without_paths(message)
-        hint = _without_paths(hint) if hint is not None else None
+    # A page never shows where the data lives, and a server fault may name any file: the API's rule.
+    roots = getattr(request.app.state, "scrub_roots", ())
+    message = scrub_paths(message, roots, server_side=status >= 500)
+    hint = scrub_paths(hint, roots, server_side=status >= 500) if hint is not None else None
     headers = exc.headers() if isinstance(exc, RegistryError) else {}
     response = _html(request, "error.html", status=status, title=title, message=message, hint=hint)
     response.headers.update(headers)
@@ -177,15 +178,6 @@ def browser_error_page(request: Request[Any, Any, Any], exc: HTTPException) -> R
     if path in ("/v1", "/tlog") or path.startswith(_MACHINE_PREFIXES):
         return None
     return _html_error(request, exc)
-
-
-#: An absolute filesystem path (two or more segments), not preceded by a URL scheme or host.
-_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.\-])/(?:[^\s/'\":),;]+/)+[^\s/'\":),;]*")
-
-
-def _without_paths(text: str) -> str:
-    """``text`` with absolute filesystem paths replaced by ``<path>`` (for 5xx pages only)."""
-    return _ABSOLUTE_PATH.sub("<path>", text)
 
 
 def _url(path: str, **params: Any) -> str:
@@ -802,7 +794,7 @@ async def registry_key_pem(request: Request[Any, Any, Any]) -> Response[str]:
 def publishers_context(registry: Registry) -> dict[str, Any]:
     """Every publisher with its keys and how many entries of each kind it published."""
     with registry.db.lock:
-        publishers = registry.publishers()
+        publishers = registry.reader.publishers()
         counts = queries.kinds_by_publisher(registry.db)
     return {"publishers": publishers, "counts": counts}
 
@@ -816,7 +808,7 @@ async def publishers(request: Request[Any, Any, Any]) -> Response[str]:
 def publisher_context(registry: Registry, name: str) -> dict[str, Any]:
     """One publisher: its keys, its entry counts by kind and its most recent entries."""
     with registry.db.lock:
-        found = [p for p in registry.publishers() if p["name"] == name]
+        found = [p for p in registry.reader.publishers() if p["name"] == name]
         if not found:
             raise NotFoundError(f"no publisher named {name[:200]!r} is registered here", hint="see every publisher at /publishers")
         counts = queries.kinds_by_publisher(registry.db).get(name, {})

@@ -412,7 +412,7 @@ def create_witness_app(signing_key: SigningKey, settings: WitnessSettings) -> An
 
     from kvgraft.verifier import KeyFileError, require_ed25519
 
-    from .app import HttpEdge, _http_error, _internal_error, _read_limited, _registry_error
+    from .problems import HttpEdge, http_error, internal_error, read_limited, registry_error
     from .security import add_security_headers
     from .settings import RegistrySettings
 
@@ -429,12 +429,12 @@ def create_witness_app(signing_key: SigningKey, settings: WitnessSettings) -> An
             return Response(
                 content=f"{exc.size}\n".encode("ascii"), status_code=409, headers={"content-type": SIZE_MEDIA_TYPE}
             )
-        return _registry_error(request, exc)
+        return registry_error(request, exc)
 
     @post("/add-checkpoint", request_max_body_size=None, status_code=200, summary="Cosign a checkpoint")
     async def add_checkpoint(request: Request[Any, Any, Any]) -> Response[bytes]:
         witness: Witness = request.app.state.witness
-        body = await _read_limited(request, settings.max_body_bytes, "add-checkpoint body")
+        body = await read_limited(request, settings.max_body_bytes, "add-checkpoint body")
         line = await anyio.to_thread.run_sync(witness.add_checkpoint, body)
         return Response(content=line, media_type="text/plain")
 
@@ -461,7 +461,7 @@ def create_witness_app(signing_key: SigningKey, settings: WitnessSettings) -> An
         route_handlers=[add_checkpoint, latest],
         lifespan=[lifespan],
         before_send=[add_security_headers],
-        exception_handlers={RegistryError: witness_error, HTTPException: _http_error, Exception: _internal_error},
+        exception_handlers={RegistryError: witness_error, HTTPException: http_error, Exception: internal_error},
         logging_config=None,
         openapi_config=None,
         # The handlers' annotations are strings (postponed), naming what this function imported.

@@ -102,17 +102,17 @@ def test_wire_models_keep_the_service_documents_byte_for_byte(reg: Harness, keys
     reg.publish_artifact(child, keys["alice"])
     registry = reg.client.app.state.registry
     pairs = [
-        ("/v1/entries/0", registry.entry("0")),
-        (f"/v1/artifacts/{child.digest}", registry.artifact(child.digest)),
+        ("/v1/entries/0", registry.reader.entry("0")),
+        (f"/v1/artifacts/{child.digest}", registry.reader.artifact(child.digest)),
         ("/v1/log/key", registry.log_key()),
         ("/v1/log/proof/inclusion?index=0", registry.inclusion_proof(0, None)),
-        ("/v1/publishers", {"publishers": registry.publishers()}),
+        ("/v1/publishers", {"publishers": registry.reader.publishers()}),
     ]
     for path, document in pairs:
         r = reg.client.get(path)
         assert r.status_code == 200, r.text
         assert r.content == msgspec.json.encode(document), path
-    page = registry.list_artifacts(limit=1)
+    page = registry.reader.list_artifacts(limit=1)
     r = reg.client.get("/v1/artifacts", params={"limit": 1})
     assert r.content == msgspec.json.encode({"items": page.items, "next_cursor": page.next_cursor})
 

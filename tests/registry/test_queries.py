@@ -169,11 +169,11 @@ def _source(path: str) -> str:
 
 
 def test_the_api_and_the_pages_read_only_through_the_read_model() -> None:
-    ui, service = _source("ui.py"), _source("service.py")
+    ui = _source("ui.py")
     assert not re.search(r"\b(SELECT|FROM entries|WHERE)\b", ui), "ui.py holds SQL; it belongs in queries.py"
     # Positional column indexes (r[7], row[0]): rows are read by name.
-    for name, text in (("ui.py", ui), ("service.py", service)):
+    for name in ("ui.py", "service.py", "reader.py", "documents.py"):
+        text = _source(name)
         assert not re.search(r"\b(r|row|first|current)\[\d+\]|\]\[\d+\]", text), f"{name} reads a column by position"
-    reads = service[service.index("# --- reading entries") :]
-    reads = reads[: reads.index("# --- helpers")]
-    assert "SELECT" not in reads, "service.py's read methods query directly; they delegate to queries.py"
+    for name in ("reader.py", "documents.py"):
+        assert "SELECT" not in _source(name), f"{name} queries directly; reads delegate to queries.py"

@@ -30,9 +30,9 @@ import pytest
 
 from kvgraft.registry import RegistrySettings
 from kvgraft.registry._internal import signatures
-from kvgraft.registry._internal import ui as ui_module
 from kvgraft.registry._internal.accounts import TokenInfo
 from kvgraft.registry._internal.entries import IndexedStatement, index_statement
+from kvgraft.registry._internal.security import scrub_paths
 from kvgraft.registry._internal.service import Registry
 from kvgraft.schemas import ExactnessSample
 from kvgraft.verifier import envelope_json, ephemeral_signing_key, sign_envelope
@@ -530,5 +530,5 @@ def test_error_pages_are_html_without_traceback_or_absolute_path(trust_ui: tuple
         assert r.headers["content-type"].startswith("text/html"), path
         assert "Traceback" not in r.text and str(h.data) not in r.text and "/tmp/" not in r.text, path
         assert "What to do:" in r.text, path
-    shown = ui_module._without_paths(f"cannot write {h.data}/blobs/tmp/x: disk full (errno 28)")
+    shown = scrub_paths(f"cannot write {h.data}/blobs/tmp/x: disk full (errno 28)", server_side=True)
     assert shown == "cannot write <path>: disk full (errno 28)"
