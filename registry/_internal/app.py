@@ -49,8 +49,8 @@ from kvgraft.schemas import (
 
 from . import queries
 from .accounts import TokenInfo
-from .blobs import WHOLE_READ_BYTES, BlobScrubber, parse_digest_ref
-from .cosignatures import MAX_WITNESSES, WitnessCollector, witness_targets
+from .blobs import WHOLE_READ_BYTES, parse_digest_ref
+from .cosignatures import MAX_WITNESSES
 from .datadir import AdminHandle, remove_admin_handle, write_admin_handle
 from .documents import Page
 from .entries import json_depth_within, kind_of_filter
@@ -66,8 +66,7 @@ from .problems import HttpEdge, http_error, internal_error, read_limited, regist
 from .ranges import if_range_allows, none_match, parse_range
 from .readcache import EnvelopeCache
 from .security import add_security_headers
-from .sequencer import Sequencer
-from .service import PreparedPublish, Published, Registry
+from .service import Published, Registry
 from .settings import RegistrySettings
 from .tiles import CHECKPOINT_CACHE, IMMUTABLE, TILES_PREFIX, tile_resource
 from .ui import static_router, ui_router
@@ -647,7 +646,9 @@ def create_app(data_dir: Path, settings: RegistrySettings | None = None) -> Lite
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         stack = contextlib.ExitStack()
-        registry = await anyio.to_thread.run_sync(stack.enter_context, Registry.open(data_dir, settings))
+        # Everything the registry runs (the sequencer, witnesses, the lease, the scrub) is built
+        # and started by Registry.open, in a worker thread: it blocks on the database.
+        registry = await anyio.to_thread.run_sync(stack.enter_context, Registry.open(data_dir, settings, serving=True))
         secret = ADMIN_SECRET_PREFIX + secrets.token_urlsafe(32)
         try:
             await _run(write_admin_handle, registry.data, AdminHandle(url=settings.admin_url, secret=secret, pid=os.getpid()))
@@ -655,43 +656,7 @@ def create_app(data_dir: Path, settings: RegistrySettings | None = None) -> Lite
             # Both spellings of the data directory, longest first, so neither leaks into an answer.
             app.state.scrub_roots = sorted({str(data_dir), str(data_dir.resolve())}, key=len, reverse=True)
             app.state.admin_secret_hash = hashlib.sha256(secret.encode("utf-8")).digest()
-            app.state.scrubber = None
             app.state.envelopes = EnvelopeCache()
-            if settings.witnesses:
-                # Submits each new checkpoint to the witnesses in background threads; stopped (and
-                # joined, each at most one bounded request late) before the registry closes.
-                collector = WitnessCollector(registry, witness_targets(settings.witnesses), settings.witness_timeout)
-                registry.on_new_head = collector.notify
-                collector.start()
-                stack.callback(collector.stop)
-            if settings.scrub_interval > 0:
-                # Re-hashes every blob each scrub_interval seconds in a low-priority thread,
-                # quarantining rot; the stack stops and joins it before the registry closes.
-                app.state.scrubber = BlobScrubber(registry.blobs, settings.scrub_interval)
-                app.state.scrubber.start()
-                stack.callback(app.state.scrubber.stop)
-            if registry.db.dialect.shared:
-                # Several processes on one PostgreSQL database: the sequencer lease, and keeping up
-                # with the holder's appends (cluster.py). Stopped after the sequencer, so that the
-                # publishes it still holds are logged before the lease is given up.
-                from .cluster import Cluster
-
-                cluster = Cluster(registry, url=settings.public_url or settings.admin_url)
-                registry.cluster = cluster
-                await anyio.to_thread.run_sync(cluster.start)
-                stack.callback(cluster.stop)
-            # Appends verified publishes in batches (sequencer.py). Stopped first on shutdown,
-            # after uvicorn has finished the requests in flight: every queued publish is logged.
-            sequencer: Sequencer[PreparedPublish, Published] = Sequencer(
-                registry.sequence_batch,
-                batch_max_entries=settings.batch_max_entries,
-                batch_wait_ms=settings.batch_wait_ms,
-                max_queue=settings.max_publish_queue,
-                max_queue_bytes=settings.max_publish_queue_bytes,
-            )
-            registry.sequencer = sequencer
-            sequencer.start()
-            stack.callback(sequencer.stop)
             yield
         finally:
             with anyio.CancelScope(shield=True):

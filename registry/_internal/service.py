@@ -46,8 +46,8 @@ from kvgraft.verifier import (
 from . import queries, search
 from .accounts import Accounts, TokenInfo
 from .blobfactory import open_blob_store
-from .blobs import BlobStore
-from .cosignatures import CosignatureStore
+from .blobs import BlobScrubber, BlobStore
+from .cosignatures import CosignatureStore, WitnessCollector, witness_targets
 from .datadir import (
     SIGNED_HEAD_FILE,
     DataDir,
@@ -200,25 +200,29 @@ class Registry:
         #: Witness cosignatures of the checkpoints (cosignatures.py), served on every checkpoint note.
         self.cosignatures = CosignatureStore(db)
         #: Called each time a new checkpoint is durable and announced, with the database lock
-        #: held (the publish's own): the app wakes its witness collector with it. Must not block.
+        #: held (the publish's own): the witness collector's wake-up when serving. Must not block.
         self.on_new_head: Callable[[], None] | None = None
-        #: The app's sequencer (sequencer.py), which ``submit`` queues publishes for; None outside
-        #: the app, where each publish is sequenced at once as a batch of one.
+        #: The sequencer (sequencer.py) that ``submit`` queues publishes for, when serving; None
+        #: otherwise, where each publish is sequenced at once as a batch of one.
         self.sequencer: Sequencer[PreparedPublish, Published] | None = None
-        #: On a shared (PostgreSQL) database: this process's sequencer lease (cluster.py), set by
-        #: the app; without one this process sequences nothing there.
+        #: On a shared (PostgreSQL) database, when serving: this process's sequencer lease
+        #: (cluster.py); without one this process sequences nothing there.
         self.cluster: Cluster | None = None
+        #: The background re-hash of every blob (``--scrub-interval``), when serving.
+        self.scrubber: BlobScrubber | None = None
         #: The reads (reader.py), at the head this registry announces.
         self.reader = Reader(db, settings, log, self.cosignatures, self.accounts, self)
 
     @classmethod
     @contextlib.contextmanager
-    def open(cls, root: Path, settings: RegistrySettings) -> Iterator[Registry]:
+    def open(cls, root: Path, settings: RegistrySettings, *, serving: bool = False) -> Iterator[Registry]:
         """Open (initialising on first use) the data directory ``root``; close it when the block ends.
 
         Creates the registry key and fixes the log's origin on first start; rebuilds the Merkle
         tree from the stored leaves and refuses to serve a log whose latest checkpoint does not
-        match it (``LogIntegrityError``).
+        match it (``LogIntegrityError``). The one place a registry is built: with ``serving``
+        (the app's lifespan) its background workers too, started here and stopped before
+        anything closes (``_start_workers``); nobody sets them afterwards.
         """
         data = prepare(root)
         # On PostgreSQL this holds LOG_LOCK until released below: no process appends while this
@@ -248,10 +252,52 @@ class Registry:
                 logger.info("registry %s: log %s at size %d (%s)", root, origin, log.size, db.dialect.name)
                 db.release_log()
                 started = True
-                yield cls(data, db, log, blobs, settings, head)
+                registry = cls(data, db, log, blobs, settings, head)
+                with contextlib.ExitStack() as workers:
+                    if serving:
+                        registry._start_workers(workers)
+                    yield registry
         finally:
             # A refused start leaves the database file and its WAL untouched.
             db.close(checkpoint=started)
+
+    def _start_workers(self, stack: contextlib.ExitStack) -> None:
+        """Start what a serving registry runs in the background, each stopped by ``stack`` (last
+        started, first stopped): the witness collector, the blob scrubber, on a shared database
+        the sequencer lease, and the sequencer. The sequencer stops first, after the server has
+        finished the requests in flight, so every queued publish is logged; the lease after it,
+        so that the publishes it still holds are logged before the lease is given up."""
+        settings = self.settings
+        if settings.witnesses:
+            # Submits each new checkpoint to the witnesses in background threads; stopped (and
+            # joined, each at most one bounded request late) before the registry closes.
+            collector = WitnessCollector(self, witness_targets(settings.witnesses), settings.witness_timeout)
+            self.on_new_head = collector.notify
+            collector.start()
+            stack.callback(collector.stop)
+        if settings.scrub_interval > 0:
+            # Re-hashes every blob each scrub_interval seconds in a low-priority thread, quarantining rot.
+            self.scrubber = BlobScrubber(self.blobs, settings.scrub_interval)
+            self.scrubber.start()
+            stack.callback(self.scrubber.stop)
+        if self.db.dialect.shared:
+            # Several processes on one PostgreSQL database: the sequencer lease, and keeping up with
+            # the holder's appends (cluster.py; it loads psycopg's listener, so only here).
+            from .cluster import Cluster
+
+            self.cluster = Cluster(self, url=settings.public_url or settings.admin_url)
+            self.cluster.start()
+            stack.callback(self.cluster.stop)
+        # Appends verified publishes in batches (sequencer.py).
+        self.sequencer = Sequencer(
+            self.sequence_batch,
+            batch_max_entries=settings.batch_max_entries,
+            batch_wait_ms=settings.batch_wait_ms,
+            max_queue=settings.max_publish_queue,
+            max_queue_bytes=settings.max_publish_queue_bytes,
+        )
+        self.sequencer.start()
+        stack.callback(self.sequencer.stop)
 
     # --- the log ---------------------------------------------------------------------------
 

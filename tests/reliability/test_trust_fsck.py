@@ -182,7 +182,7 @@ def test_background_scrub_quarantines_a_flipped_blob_nobody_asked_for(tmp_path: 
     data = tmp_path / "data"
     blob = b"scrub-me" * 4096
     with harness(data, rkeys, scrub_interval=0.2) as h:
-        scrubber = h.client.app.state.scrubber
+        scrubber = h.client.app.state.registry.scrubber
         assert scrubber is not None
         assert h.put_blob(blob).status_code == 201
         _flip(blob_path(data, blob), 100)
