@@ -143,6 +143,14 @@ def lib() -> ModuleType:
 _KEEP: list[Any] = []
 
 
+def installed() -> bool:
+    """Whether the pinned llama-cpp-python is installed here (not imported: only its metadata is read)."""
+    try:
+        return importlib.metadata.version("llama_cpp_python") == LLAMA_CPP_PYTHON_VERSION
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 @functools.cache
 def build_fingerprint() -> str:
     """The llama.cpp build as its kernels run here: the bindings' version, the sha256 of each
@@ -220,7 +228,7 @@ class _Cache:
     """One KV cache of a decoded sequence state (the module docstring's layout)."""
 
     positions: np.ndarray  # int32 [cells]
-    keys: list[np.ndarray] = field(default_factory=list)  # per layer: float16 [cells, kv_heads * head_dim]
+    keys: list[np.ndarray] = field(default_factory=list)  # per layer: float16 [cells, kv_heads * head_dim] (or [cells, kv_heads, head_dim])
     values: list[np.ndarray] = field(default_factory=list)
 
 
@@ -289,25 +297,45 @@ def decode_state(data: bytes, n_caches: int, *, header: bool = True) -> list[_Ca
     return caches
 
 
-def encode_state(caches: list[_Cache], seq_id: int) -> bytes:
-    """The bytes ``llama_state_seq_set_data`` reads for ``caches`` (``decode_state``'s inverse)."""
-    out = bytearray(struct.pack("<Ii", IO_MAGIC, seq_id))
+def encode_state(caches: list[_Cache], seq_id: int) -> bytearray:
+    """The bytes ``llama_state_seq_set_data`` reads for ``caches`` (``decode_state``'s inverse).
+
+    A layer's rows may be ``[cells, row]`` or ``[cells, kv_heads, head_dim]`` with any strides (a
+    permuted view of an artifact's tensor): each is copied once, straight into the one buffer
+    the size of the whole state, which llama.cpp then reads in place (no copy per step).
+    """
+    def row_bytes(rows: np.ndarray) -> int:
+        return int(np.prod(rows.shape[1:])) * 2
+
+    size = 8 + sum(8 + (0 if not len(c.positions) else 12 * len(c.positions) + 8
+                        + sum(12 + rows.shape[0] * row_bytes(rows) for rows in (*c.keys, *c.values))) for c in caches)
+    out = bytearray(size)
+    view = np.frombuffer(out, dtype=np.uint8)
+    struct.pack_into("<Ii", out, 0, IO_MAGIC, seq_id)
+    at = 8
     for cache in caches:
         cells = int(cache.positions.shape[0])
-        out += struct.pack("<II", 1, cells)
+        struct.pack_into("<II", out, at, 1, cells)
+        at += 8
         if cells == 0:
             continue
-        meta = np.empty((cells, 3), dtype="<i4")
+        meta = view[at:at + 12 * cells].view("<i4").reshape(cells, 3)
         meta[:, 0] = cache.positions
         meta[:, 1] = 1
         meta[:, 2] = seq_id
-        out += meta.tobytes()
-        out += struct.pack("<II", 0, len(cache.keys))
+        at += 12 * cells
+        struct.pack_into("<II", out, at, 0, len(cache.keys))
+        at += 8
         for part in (cache.keys, cache.values):
             for rows in part:
-                out += struct.pack("<iQ", _GGML_TYPE_F16, rows.shape[1] * 2)
-                out += np.ascontiguousarray(rows, dtype="<f2").tobytes()
-    return bytes(out)
+                n = row_bytes(rows)
+                struct.pack_into("<iQ", out, at, _GGML_TYPE_F16, n)
+                at += 12
+                np.copyto(view[at:at + cells * n].view("<f2").reshape(rows.shape), rows, casting="no")
+                at += cells * n
+    if at != size:
+        raise LlamaCppError(f"encoded {at} of {size} state bytes", hint="a bug: report it")
+    return out
 
 
 @dataclass(frozen=True)
@@ -469,12 +497,14 @@ class LlamaCppModel:
             raise LlamaCppError(f"llama.cpp wrote {written} of {size} state bytes for sequence {seq}")
         return bytes(buf)
 
-    def set_seq_state(self, seq: int, data: bytes, expect: tuple[int, int]) -> None:
+    def set_seq_state(self, seq: int, data: bytes | bytearray, expect: tuple[int, int]) -> None:
         """Restore ``data`` into empty sequence ``seq``, atomically: refused or failed, the
         sequence is emptied and ``LlamaCppError`` raised; done, it must hold positions
         ``expect`` = ``(min, max)`` (some restores silently do nothing: ggml-org/llama.cpp#26676)."""
         llama_cpp = lib()
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        # A bytearray is read in place (encode_state's); bytes are immutable, so copied.
+        array_type = ctypes.c_uint8 * len(data)
+        buf = array_type.from_buffer(data) if isinstance(data, bytearray) else array_type.from_buffer_copy(data)
         read = llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), seq)
         held = (int(llama_cpp.llama_memory_seq_pos_min(self._memory, seq)), int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq)))
         if read != len(data) or held != expect:
@@ -612,8 +642,9 @@ class LlamaCppState:
                         if tuple(t.shape) != (1, shape.kv_heads, n, dim):
                             raise ArtifactError(f"tensor caches.{c}.layers.{j}.{part} has shape {list(t.shape)}; this model's "
                                                 f"context needs [1, {shape.kv_heads}, {n}, {dim}]")
-                        pieces.append(t[0].permute(1, 0, 2).reshape(n, shape.kv_heads * dim))  # [1, h, n, d] -> [n, h * d]
-                    into.append(torch.cat(pieces).numpy())
+                        pieces.append(t[0].permute(1, 0, 2))  # [1, h, n, d] -> [n, h, d], a view
+                    # One segment: the view itself (encode_state copies it once, into place).
+                    into.append((pieces[0] if len(pieces) == 1 else torch.cat(pieces)).numpy())
             extra = {k for s in segments for k in s.tensors if k.startswith(f"caches.{c}.layers.")} - {
                 f"caches.{c}.layers.{j}.{p}" for j in range(shape.layers) for p in ("keys", "values", "seen")}
             if extra:
