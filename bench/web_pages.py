@@ -29,10 +29,10 @@ import httpx
 from common import QUICK, ROOT, figure, median, say, write_result
 
 from kvgraft.registry import RegistrySettings
-from kvgraft.registry._internal.db import now_utc
 from kvgraft.registry._internal.entries import decode_envelope, index_statement, verify_for_token
-from kvgraft.registry._internal.log import hash_leaf
+from kvgraft.registry._internal.log.tree import hash_leaf
 from kvgraft.registry._internal.service import Registry
+from kvgraft.registry._internal.storage.db import now_utc
 from kvgraft.schemas import (
     KV_FILE,
     OUTPUTS_FILE,

@@ -42,12 +42,17 @@ from ._internal.settings import RegistrySettings
 
 if TYPE_CHECKING:
     from ._internal.admin import admin_session
-    from ._internal.app import create_app
-    from ._internal.cosignatures import parse_witness_option
     from ._internal.fsck import fsck
+    from ._internal.http.app import create_app
+    from ._internal.log.cosignatures import parse_witness_option
     from ._internal.server import serve
     from ._internal.tiles import ExportReport, export_tiles
-    from ._internal.witness import DEFAULT_WITNESS_MAX_BODY_BYTES, WitnessSettings, create_witness_app, serve_witness
+    from ._internal.witness.cosigner import (
+        DEFAULT_WITNESS_MAX_BODY_BYTES,
+        WitnessSettings,
+        create_witness_app,
+        serve_witness,
+    )
 
 __all__ = [
     "AuthenticationError", "BadDigestError", "BadRequestError", "BlobDigestMismatchError", "InvalidSignatureError",
@@ -61,11 +66,11 @@ __all__ = [
 
 #: Loaded on first use, each from its ``_internal`` module: the app pulls in litestar, duckdb and
 #: anyio; the server uvicorn; the admin commands and fsck open DuckDB.
-_LAZY = {"create_app": "app", "serve": "server", "admin_session": "admin", "fsck": "fsck"}
+_LAZY = {"create_app": "http.app", "serve": "server", "admin_session": "admin", "fsck": "fsck"}
 #: The witness (``kvgraft witness serve``): its app loads litestar, its server uvicorn, on first use.
 _LAZY |= dict.fromkeys(
-    ("DEFAULT_WITNESS_MAX_BODY_BYTES", "WitnessSettings", "create_witness_app", "serve_witness"), "witness"
-) | {"parse_witness_option": "cosignatures"}
+    ("DEFAULT_WITNESS_MAX_BODY_BYTES", "WitnessSettings", "create_witness_app", "serve_witness"), "witness.cosigner"
+) | {"parse_witness_option": "log.cosignatures"}
 #: ``kvgraft tiles export``: reads the database read-only (DuckDB) on first use.
 _LAZY |= dict.fromkeys(("ExportReport", "export_tiles"), "tiles")
 

@@ -35,7 +35,7 @@ def _package_sources() -> dict[str, Path]:
 
 
 def _modules() -> dict[str, tuple[str, Path]]:
-    """Dotted module name (e.g. ``kvgraft.registry._internal.db``) -> (its package, its file), for
+    """Dotted module name (e.g. ``kvgraft.registry._internal.storage.db``) -> (its package, its file), for
     every ``.py`` file of the distribution, each file under the innermost package folder holding it."""
     sources = _package_sources()
     found: dict[str, tuple[str, Path]] = {}
@@ -169,6 +169,22 @@ def test_no_import_circle_inside_the_registry_service_not_even_through_types() -
     # cluster.LogFollower, cosignatures.CheckpointSource), never by importing upwards.
     cycles = _cycles(_graph("kvgraft.registry._internal", runtime_only=False))
     assert cycles == [], f"import circles inside registry/_internal/, type-only imports included: {cycles}"
+
+
+def test_the_registry_service_wings_import_one_way() -> None:
+    # A wing is a subpackage of registry/_internal (storage, log, blobs, http, witness) or one of
+    # its top-level modules; imports between wings form no circle either (docs/architecture.md).
+    internal = "kvgraft.registry._internal"
+    wings: dict[str, set[str]] = {}
+    for name, targets in _graph(internal, runtime_only=False).items():
+        if name == internal:
+            continue
+        wing = name[len(internal) + 1 :].split(".")[0]
+        wings.setdefault(wing, set())
+        wings[wing] |= {t[len(internal) + 1 :].split(".")[0] for t in targets if t != internal} - {wing}
+    assert {"storage", "log", "blobs", "http", "witness"} <= set(wings)
+    cycles = _cycles({w: {t for t in ts if t in wings} for w, ts in wings.items()})
+    assert cycles == [], f"wings of registry/_internal/ that import each other: {cycles}"
 
 
 def test_the_cycle_finder_finds_a_circle() -> None:

@@ -34,7 +34,6 @@ from typing import Any, TypeVar
 
 from kvgraft.verifier import KeyFileError, KeyId, TrustedKey, keyid_of, parse_public_key, public_key_pem, trusted_key
 
-from .db import ACCOUNTS_CHANNEL, Connection, Database, now_utc
 from .errors import (
     AuthenticationError,
     BadRequestError,
@@ -43,6 +42,7 @@ from .errors import (
     TokenNotFoundError,
     TokenRevokedError,
 )
+from .storage.db import ACCOUNTS_CHANNEL, Connection, Database, now_utc
 
 #: Publisher tokens start with this, so that a leaked one is recognisable (secret scanners).
 TOKEN_PREFIX = "kvgr_"

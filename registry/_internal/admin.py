@@ -18,12 +18,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-# Imported for their tables: each registers its migration (ddl.py) before a database opens here.
-from . import cosignatures, search  # noqa: F401
+# Imported for their tables: each registers its migration (storage/ddl.py) before a database opens here.
+from . import search  # noqa: F401
 from .accounts import Accounts
 from .datadir import DataDir, prepare, read_admin_handle
-from .db import Database
 from .errors import AdminUnavailableError, DatabaseLockedError, RegistryError
+from .log import cosignatures  # noqa: F401
+from .storage.db import Database
 
 #: Seconds an admin call to the server may take.
 _TIMEOUT = 30.0

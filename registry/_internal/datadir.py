@@ -42,8 +42,8 @@ from kvgraft.verifier import (
 )
 
 from .blobconfig import parse_blob_store_url
-from .db import Database
 from .errors import ConfigError, DataDirError, LogRollbackError
+from .storage.db import Database
 
 KEY_FILE = "registry-key.pem"
 PUBLIC_KEY_FILE = "registry-key.pub.pem"

@@ -48,8 +48,8 @@ from kvgraft.verifier import (
     verify_checkpoint,
 )
 
-from .blobfactory import open_blob_store
-from .blobs import BlobStore
+from .blobs.factory import open_blob_store
+from .blobs.store import BlobStore
 from .datadir import (
     BLOB_STORE_META,
     KEY_FILE,
@@ -61,10 +61,10 @@ from .datadir import (
     blob_store_name,
     read_signed_head,
 )
-from .db import DB_FILE, Connection, PostgresConnection, is_postgres_url, redact
 from .errors import DatabaseLockedError, DataDirError, RegistryError
-from .log import hash_leaf
+from .log.tree import hash_leaf
 from .settings import RegistrySettings
+from .storage.db import DB_FILE, Connection, PostgresConnection, is_postgres_url, redact
 
 #: Envelopes fetched from the database per batch: memory stays bounded by a few of the largest.
 _BATCH = 64

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 from . import search
-from .blobs import parse_digest_ref
-from .db import Database
+from .blobs.store import parse_digest_ref
 from .entries import RECORD_KINDS, ArtifactFields, kind_of_filter
 from .errors import BadRequestError
 from .settings import RegistrySettings
+from .storage.db import Database
 
 R = TypeVar("R")
 

@@ -16,14 +16,14 @@ from kvgraft.schemas import parse_json
 
 from . import queries
 from .accounts import Accounts
-from .blobs import parse_digest_ref
-from .cosignatures import CosignatureStore
-from .db import Database
+from .blobs.store import parse_digest_ref
 from .documents import Page, artifact_summary, decode_cursor, entry_meta, other_claims, page_of, statement_json
 from .errors import ArtifactNotFoundError, BadRequestError, EntryNotFoundError, RegistryError
-from .log import LogHead, TransparencyLog
+from .log.cosignatures import CosignatureStore
+from .log.tree import LogHead, TransparencyLog
 from .queries import ArtifactFilter, EntryRow, RecordFilter, Seek
 from .settings import RegistrySettings
+from .storage.db import Database
 
 logger = logging.getLogger("kvgraft.registry")
 

@@ -19,11 +19,11 @@ import unicodedata
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from .ddl import Migration, register
 from .errors import QueryTooLargeError
+from .storage.ddl import Migration, register
 
 if TYPE_CHECKING:
-    from .db import Connection
+    from .storage.db import Connection
 
 _WORD = re.compile(r"\w+")
 

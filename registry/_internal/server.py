@@ -255,7 +255,7 @@ def serve(
     """
     import uvicorn
 
-    from .app import create_app
+    from .http.app import create_app
 
     if not 1 <= port <= 65535:
         raise ConfigError(f"port {port} is not between 1 and 65535", hint="pass --port 8000, or another free port")

@@ -45,9 +45,8 @@ from kvgraft.verifier import (
 
 from . import queries, search
 from .accounts import Accounts, TokenInfo
-from .blobfactory import open_blob_store
-from .blobs import BlobScrubber, BlobStore
-from .cosignatures import CosignatureStore, WitnessCollector, witness_targets
+from .blobs.factory import open_blob_store
+from .blobs.store import BlobScrubber, BlobStore
 from .datadir import (
     SIGNED_HEAD_FILE,
     DataDir,
@@ -58,7 +57,6 @@ from .datadir import (
     resolve_origin,
     write_signed_head,
 )
-from .db import Connection, Database, insert_rows, now_utc
 from .documents import entry_meta
 from .entries import (
     ArtifactFields,
@@ -82,13 +80,9 @@ from .errors import (
     TokenRevokedError,
     storage_error,
 )
-from .log import LogHead, TransparencyLog, format_vkey, hash_leaf, verify_checkpoint
-from .queries import Ancestry, EntryRow
-from .ratelimit import RateLimiter
-from .reader import Reader
-from .sequencer import Sequencer
-from .settings import RegistrySettings
-from .signedhead import (
+from .log.cosignatures import CosignatureStore, WitnessCollector, witness_targets
+from .log.sequencer import Sequencer
+from .log.signedhead import (
     advance_signed_head,
     check_signed_head,
     load_leaves,
@@ -97,9 +91,15 @@ from .signedhead import (
     signed_head,
     stored_head,
 )
+from .log.tree import LogHead, TransparencyLog, format_vkey, hash_leaf, verify_checkpoint
+from .queries import Ancestry, EntryRow
+from .ratelimit import RateLimiter
+from .reader import Reader
+from .settings import RegistrySettings
+from .storage.db import Connection, Database, insert_rows, now_utc
 
 if TYPE_CHECKING:
-    from .cluster import Cluster
+    from .log.cluster import Cluster
 
 logger = logging.getLogger("kvgraft.registry")
 
@@ -283,7 +283,7 @@ class Registry:
         if self.db.dialect.shared:
             # Several processes on one PostgreSQL database: the sequencer lease, and keeping up with
             # the holder's appends (cluster.py; it loads psycopg's listener, so only here).
-            from .cluster import Cluster
+            from .log.cluster import Cluster
 
             self.cluster = Cluster(self, url=settings.public_url or settings.admin_url)
             self.cluster.start()

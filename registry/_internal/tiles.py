@@ -63,12 +63,12 @@ from kvgraft.verifier import (
 )
 
 from . import queries
-from .cosignatures import CosignatureStore
 from .datadir import PUBLIC_KEY_FILE
-from .db import DB_FILE, DUCKDB, POSTGRES, Database, redact
-from .ddl import SCHEMA_VERSION
 from .errors import DataDirError, EntryTooLargeForTilesError, LogIntegrityError, TileNotFoundError
+from .log.cosignatures import CosignatureStore
 from .ranges import none_match
+from .storage.db import DB_FILE, DUCKDB, POSTGRES, Database, redact
+from .storage.ddl import SCHEMA_VERSION
 
 if TYPE_CHECKING:
     from .service import Registry

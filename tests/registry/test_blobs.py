@@ -355,7 +355,7 @@ def test_full_disk_during_a_pipelined_upload_is_the_error_raised_not_the_closed_
     # consequence was picked as the upload's error.
     import anyio
 
-    from kvgraft.registry._internal.blobs import _first_error
+    from kvgraft.registry._internal.blobs.store import _first_error
 
     disk_full = OSError(28, "No space left on device")
     alone = anyio.BrokenResourceError()

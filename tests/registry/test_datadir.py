@@ -14,8 +14,6 @@ import pytest
 from kvgraft.registry import RegistrySettings
 from kvgraft.registry._internal.admin import admin_session
 from kvgraft.registry._internal.datadir import DataDir, SignedHead, read_signed_head, write_signed_head
-from kvgraft.registry._internal.db import Database
-from kvgraft.registry._internal.ddl import Migration, migrations
 from kvgraft.registry._internal.errors import (
     AdminUnavailableError,
     ConfigError,
@@ -25,8 +23,10 @@ from kvgraft.registry._internal.errors import (
     LogRollbackError,
     SchemaVersionError,
 )
-from kvgraft.registry._internal.log import TransparencyLog
+from kvgraft.registry._internal.log.tree import TransparencyLog
 from kvgraft.registry._internal.service import Registry
+from kvgraft.registry._internal.storage.db import Database
+from kvgraft.registry._internal.storage.ddl import Migration, migrations
 from kvgraft.verifier import ephemeral_signing_key, generate_private_key
 from kvgraft.verifier._internal.tlog import hash_leaf
 
@@ -74,7 +74,7 @@ def _open_in_fresh_process(data: Path, imports: str) -> subprocess.CompletedProc
     schema version, or the RuntimeError's message."""
     code = (
         f"import sys\nfrom pathlib import Path\n{imports}\n"
-        "from kvgraft.registry._internal.db import Database\n"
+        "from kvgraft.registry._internal.storage.db import Database\n"
         "try:\n    print(Database.open(Path(sys.argv[1])).schema_version())\n"
         "except RuntimeError as e:\n    print(e)\n"
     )
@@ -88,10 +88,12 @@ def test_a_database_opened_before_every_feature_registered_is_refused_regression
     r = _open_in_fresh_process(tmp_path, "")
     assert r.returncode == 0, r.stderr
     assert "schema migrations [2, 3] are not registered" in r.stdout
-    assert "search.py, cosignatures.py" in r.stdout
+    assert "search.py, log/cosignatures.py" in r.stdout
     assert not (tmp_path / "registry.duckdb").exists()
     # Imported, they register theirs: the same open makes every table.
-    r = _open_in_fresh_process(tmp_path, "from kvgraft.registry._internal import cosignatures, search")
+    r = _open_in_fresh_process(
+        tmp_path, "from kvgraft.registry._internal import search\nfrom kvgraft.registry._internal.log import cosignatures"
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(migrations()[-1].version)
 

@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from kvgraft.cli import main
-from kvgraft.registry._internal import signatures
+from kvgraft.registry._internal.http import signatures
 from kvgraft.schemas import sha256_bytes
 from kvgraft.verifier import KeyType, key_type_of, keyid_of, parse_public_key, save_private_key
 from kvgraft.verifier._internal.tlog import hash_leaf, verify_checkpoint, verify_inclusion

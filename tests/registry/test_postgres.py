@@ -41,9 +41,10 @@ HANDOVER_BOUND = 10.0
 
 
 def test_migrations_run_on_postgres_once_with_postgres_types(postgres: PostgresServer, tmp_path: Path) -> None:
-    from kvgraft.registry._internal import cosignatures, search  # noqa: F401  (they register their migrations)
-    from kvgraft.registry._internal.db import Database
-    from kvgraft.registry._internal.ddl import migrations
+    from kvgraft.registry._internal import search  # noqa: F401  (search and cosignatures register their migrations)
+    from kvgraft.registry._internal.log import cosignatures  # noqa: F401
+    from kvgraft.registry._internal.storage.db import Database
+    from kvgraft.registry._internal.storage.ddl import migrations
 
     url = postgres.database()
     db = Database.open(tmp_path, database=url)
@@ -69,9 +70,10 @@ def test_migrations_run_on_postgres_once_with_postgres_types(postgres: PostgresS
 
 
 def test_two_processes_migrating_one_new_database_at_once(postgres: PostgresServer, tmp_path: Path) -> None:
-    from kvgraft.registry._internal import cosignatures, search  # noqa: F401  (they register their migrations)
-    from kvgraft.registry._internal.db import Database
-    from kvgraft.registry._internal.ddl import migrations
+    from kvgraft.registry._internal import search  # noqa: F401  (search and cosignatures register their migrations)
+    from kvgraft.registry._internal.log import cosignatures  # noqa: F401
+    from kvgraft.registry._internal.storage.db import Database
+    from kvgraft.registry._internal.storage.ddl import migrations
 
     url = postgres.database()
 
@@ -393,8 +395,8 @@ def test_append_waiting_for_a_held_log_lock_gives_up_with_503(
     postgres: PostgresServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A process holding LOG_LOCK (starting on a long log, or paused) must not stall the sequencer forever."""
-    from kvgraft.registry._internal import db as db_module
     from kvgraft.registry._internal.errors import DatabaseConflictError
+    from kvgraft.registry._internal.storage import db as db_module
 
     monkeypatch.setattr(db_module, "LOG_LOCK_WAIT_SECONDS", 0.5)
     url = postgres.database()
@@ -420,7 +422,7 @@ def test_append_waiting_for_a_held_log_lock_gives_up_with_503(
 def test_append_commit_is_synchronous_even_when_the_server_default_is_off(postgres: PostgresServer, tmp_path: Path) -> None:
     """Publishers are answered once the append commits: a server tuned to synchronous_commit=off
     must not acknowledge that commit before its WAL is flushed."""
-    from kvgraft.registry._internal import db as db_module
+    from kvgraft.registry._internal.storage import db as db_module
 
     url = postgres.database()
     db = db_module.Database.open(tmp_path, database=url)

@@ -169,10 +169,10 @@ def _source(path: str) -> str:
 
 
 def test_the_api_and_the_pages_read_only_through_the_read_model() -> None:
-    ui = _source("ui.py")
+    ui = _source("http/ui.py")
     assert not re.search(r"\b(SELECT|FROM entries|WHERE)\b", ui), "ui.py holds SQL; it belongs in queries.py"
     # Positional column indexes (r[7], row[0]): rows are read by name.
-    for name in ("ui.py", "service.py", "reader.py", "documents.py"):
+    for name in ("http/ui.py", "service.py", "reader.py", "documents.py"):
         text = _source(name)
         assert not re.search(r"\b(r|row|first|current)\[\d+\]|\]\[\d+\]", text), f"{name} reads a column by position"
     for name in ("reader.py", "documents.py"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgraft.registry._internal.blobs import INLINE_READ_BYTES, WHOLE_READ_BYTES
+from kvgraft.registry._internal.blobs.store import INLINE_READ_BYTES, WHOLE_READ_BYTES
 from kvgraft.registry._internal.readcache import BoundedLru, EnvelopeCache
 
 from .conftest import Harness, Key, artifact, blob_path, harness

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvgraft.registry._internal.s3blobs import s3_error
+from kvgraft.registry._internal.blobs.s3 import s3_error
 from tests.reliability.mounts import tmpfs
 from tests.reliability.servers import make_token, post_entry, put_blob
 

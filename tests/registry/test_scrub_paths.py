@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvgraft.registry._internal.security import scrub_paths
+from kvgraft.registry._internal.http.security import scrub_paths
 
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = ("/srv/kvgraft/data",)
@@ -35,6 +35,6 @@ def test_the_rule_is_written_once_regression_three_scrub_regexes() -> None:
     # app.py and ui.py each had their own regex (two different ones); the witness borrowed app.py's.
     sources = {p.relative_to(REPO).as_posix(): p.read_text() for p in (REPO / "registry").rglob("*.py")}
     defining = sorted(name for name, text in sources.items() if re.search(r"ABSOLUTE_PATH\w*\s*(:[^=]*)?=\s*re\.compile", text))
-    assert defining == ["registry/_internal/security.py"]
+    assert defining == ["registry/_internal/http/security.py"]
     callers = sorted(name for name, text in sources.items() if "scrub_paths(" in text and not name.endswith("security.py"))
-    assert callers == ["registry/_internal/problems.py", "registry/_internal/ui.py"]
+    assert callers == ["registry/_internal/http/problems.py", "registry/_internal/http/ui.py"]

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvgraft.registry._internal.security import SECURITY_HEADERS
+from kvgraft.registry._internal.http.security import SECURITY_HEADERS
 from kvgraft.schemas import sha256_bytes
 from tests.registry.conftest import Key, Server, artifact, registry_cli, running_server
 from tests.reliability.conftest import Figures

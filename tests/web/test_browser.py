@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvgraft.registry._internal.security import CONTENT_SECURITY_POLICY
+from kvgraft.registry._internal.http.security import CONTENT_SECURITY_POLICY
 from tests.registry.conftest import Server
 
 from .conftest import HOSTILE_MODEL, HOSTILE_TEXT, IMG, SCREENSHOTS, SCRIPT, World

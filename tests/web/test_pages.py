@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from kvgraft.registry._internal import signatures
-from kvgraft.registry._internal import ui as ui_module
-from kvgraft.registry._internal.security import SECURITY_HEADERS
+from kvgraft.registry._internal.http import signatures
+from kvgraft.registry._internal.http import ui as ui_module
+from kvgraft.registry._internal.http.security import SECURITY_HEADERS
 from kvgraft.verifier import keyid_of, parse_trusted_keys
 from kvgraft.web import lineage_view
 from tests.registry.conftest import Harness, Key, artifact

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgraft.registry._internal.security import CONTENT_SECURITY_POLICY, SECURITY_HEADERS
+from kvgraft.registry._internal.http.security import CONTENT_SECURITY_POLICY, SECURITY_HEADERS
 from tests.registry.conftest import Harness, Key, harness
 from tests.registry.conftest import keys as keys  # noqa: F401  (the session fixture, re-exported)
 

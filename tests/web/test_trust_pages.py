@@ -29,10 +29,10 @@ import httpx
 import pytest
 
 from kvgraft.registry import RegistrySettings
-from kvgraft.registry._internal import signatures
 from kvgraft.registry._internal.accounts import TokenInfo
 from kvgraft.registry._internal.entries import IndexedStatement, index_statement
-from kvgraft.registry._internal.security import scrub_paths
+from kvgraft.registry._internal.http import signatures
+from kvgraft.registry._internal.http.security import scrub_paths
 from kvgraft.registry._internal.service import Registry
 from kvgraft.schemas import ExactnessSample
 from kvgraft.verifier import envelope_json, ephemeral_signing_key, sign_envelope

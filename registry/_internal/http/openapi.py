@@ -47,9 +47,9 @@ from kvgraft.schemas import (
     PublisherList,
 )
 
-from .cosignatures import MAX_WITNESSES
-from .entries import KINDS, RECORD_KINDS
-from .settings import RegistrySettings
+from ..entries import KINDS, RECORD_KINDS
+from ..log.cosignatures import MAX_WITNESSES
+from ..settings import RegistrySettings
 
 PROBLEM_JSON = "application/problem+json"
 _REF = "#/components/schemas/{model}"

@@ -41,10 +41,10 @@ from kvgraft.verifier import (
     parse_witness_vkey,
 )
 
-from .db import Database, now_utc
-from .ddl import Migration, register
-from .errors import ConfigError, WitnessSubmissionError
-from .log import LogHead
+from ..errors import ConfigError, WitnessSubmissionError
+from ..storage.db import Database, now_utc
+from ..storage.ddl import Migration, register
+from .tree import LogHead
 
 if TYPE_CHECKING:
     import httpx

@@ -28,7 +28,7 @@ from kvgraft.verifier import (
     verify_checkpoint,
 )
 
-from .errors import NotFoundError
+from ..errors import NotFoundError
 
 __all__ = ["LogHead", "TransparencyLog", "format_vkey", "hash_leaf", "verify_checkpoint"]
 

@@ -58,14 +58,14 @@ from kvgraft.web import (
     url_word,
 )
 
-from . import queries
-from .blobs import parse_digest_ref
-from .entries import RECORD_KINDS
-from .errors import ArtifactNotFoundError, BadRequestError, EntryNotFoundError, NotFoundError, RegistryError
-from .queries import ArtifactFilter, EntryRow, EntrySummary, Listing, RecordFilter, Seek, SubjectRow
+from .. import queries
+from ..blobs.store import parse_digest_ref
+from ..entries import RECORD_KINDS
+from ..errors import ArtifactNotFoundError, BadRequestError, EntryNotFoundError, NotFoundError, RegistryError
+from ..queries import ArtifactFilter, EntryRow, EntrySummary, Listing, RecordFilter, Seek, SubjectRow
+from ..service import Registry
 from .record_views import evaluation_context, exactness_context, related_records, stored_statement
 from .security import scrub_paths
-from .service import Registry
 from .signatures import publisher_key_rows, verified_status
 
 logger = logging.getLogger("kvgraft.registry")

@@ -47,28 +47,28 @@ from kvgraft.schemas import (
     dump_wire,
 )
 
-from . import queries
-from .accounts import TokenInfo
-from .blobs import WHOLE_READ_BYTES, parse_digest_ref
-from .cosignatures import MAX_WITNESSES
-from .datadir import AdminHandle, remove_admin_handle, write_admin_handle
-from .documents import Page
-from .entries import json_depth_within, kind_of_filter
-from .errors import (
+from .. import queries
+from ..accounts import TokenInfo
+from ..blobs.store import WHOLE_READ_BYTES, parse_digest_ref
+from ..datadir import AdminHandle, remove_admin_handle, write_admin_handle
+from ..documents import Page
+from ..entries import json_depth_within, kind_of_filter
+from ..errors import (
     AdminAuthError,
     BadRequestError,
     DocumentTooDeepError,
     PayloadTooLargeError,
     RegistryError,
 )
+from ..log.cosignatures import MAX_WITNESSES
+from ..ranges import if_range_allows, none_match, parse_range
+from ..readcache import EnvelopeCache
+from ..service import Published, Registry
+from ..settings import RegistrySettings
+from ..tiles import CHECKPOINT_CACHE, IMMUTABLE, TILES_PREFIX, tile_resource
 from .openapi import registry_openapi_config
 from .problems import HttpEdge, http_error, internal_error, read_limited, registry_error
-from .ranges import if_range_allows, none_match, parse_range
-from .readcache import EnvelopeCache
 from .security import add_security_headers
-from .service import Published, Registry
-from .settings import RegistrySettings
-from .tiles import CHECKPOINT_CACHE, IMMUTABLE, TILES_PREFIX, tile_resource
 from .ui import static_router, ui_router
 
 logger = logging.getLogger("kvgraft.registry")

@@ -16,10 +16,17 @@ import logging
 
 from kvgraft.verifier import LogProofError, MalformedInputError
 
-from .datadir import SIGNED_HEAD_FILE, DataDir, SignedHead, read_signed_head, remove_stale_head_temps, write_signed_head
-from .db import Database, now_utc
-from .errors import LogIntegrityError, LogRollbackError, SignedHeadWriteError
-from .log import LogHead, TransparencyLog, verify_checkpoint
+from ..datadir import (
+    SIGNED_HEAD_FILE,
+    DataDir,
+    SignedHead,
+    read_signed_head,
+    remove_stale_head_temps,
+    write_signed_head,
+)
+from ..errors import LogIntegrityError, LogRollbackError, SignedHeadWriteError
+from ..storage.db import Database, now_utc
+from .tree import LogHead, TransparencyLog, verify_checkpoint
 
 logger = logging.getLogger("kvgraft.registry")
 

@@ -2,7 +2,7 @@
 
 The database module (``db.py``) applies migrations but knows no feature: each module that owns
 tables registers its own step here when it is imported (``db.py`` the core tables, migration 1;
-``search.py`` the search index, 2; ``cosignatures.py`` the witness cosignatures, 3). So imports
+``search.py`` the search index, 2; ``log/cosignatures.py`` the witness cosignatures, 3). So imports
 run one way, from the features down to the database, never back up.
 
 ``SCHEMA_VERSION`` is the newest step this kvgraft knows. ``migrations()`` refuses to hand out
@@ -80,6 +80,6 @@ def migrations() -> tuple[Migration, ...]:
     if missing:
         raise RuntimeError(
             f"schema migrations {missing} are not registered: import the feature modules that own their tables "
-            "(search.py, cosignatures.py) before opening the database"
+            "(search.py, log/cosignatures.py) before opening the database"
         )
     return tuple(_REGISTERED[v] for v in sorted(_REGISTERED))

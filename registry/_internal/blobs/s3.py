@@ -45,8 +45,16 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 
-from .blobconfig import S3Location, S3Settings
-from .blobs import (
+from ..blobconfig import S3Location, S3Settings
+from ..errors import (
+    BlobNotFoundError,
+    ConfigError,
+    InsufficientStorageError,
+    RegistryError,
+    StorageUnavailableError,
+    UploadsBusyError,
+)
+from .store import (
     _DIGEST,
     QUARANTINE_DIR,
     READ_CHUNK,
@@ -58,14 +66,6 @@ from .blobs import (
     parse_digest_ref,
     quarantine_names_for,
     upload_batches,
-)
-from .errors import (
-    BlobNotFoundError,
-    ConfigError,
-    InsufficientStorageError,
-    RegistryError,
-    StorageUnavailableError,
-    UploadsBusyError,
 )
 
 logger = logging.getLogger("kvgraft.registry")

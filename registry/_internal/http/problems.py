@@ -19,9 +19,9 @@ from litestar.exceptions import HTTPException, MethodNotAllowedException, NotFou
 from litestar.types import ASGIApp, HTTPScope, Message, Receive, Scope, Send
 from litestar.utils import normalize_path
 
-from .errors import HeadersTooLargeError, PayloadTooLargeError, RegistryError, storage_error
+from ..errors import HeadersTooLargeError, PayloadTooLargeError, RegistryError, storage_error
+from ..settings import RegistrySettings
 from .security import scrub_paths
-from .settings import RegistrySettings
 from .ui import browser_error_page
 
 logger = logging.getLogger("kvgraft.registry")

@@ -35,7 +35,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from .errors import PublishQueueFullError, RegistryError
+from ..errors import PublishQueueFullError, RegistryError
 
 logger = logging.getLogger("kvgraft.registry")
 

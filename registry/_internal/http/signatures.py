@@ -32,9 +32,9 @@ from kvgraft.verifier import (
 )
 from kvgraft.web import short_digest
 
-from . import queries
-from .queries import PublisherKey
-from .service import Registry
+from .. import queries
+from ..queries import PublisherKey
+from ..service import Registry
 
 logger = logging.getLogger("kvgraft.registry")
 

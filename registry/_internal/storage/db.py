@@ -45,9 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 
-from . import ddl
-from .ddl import Connection, Migration, register
-from .errors import (
+from ..errors import (
     DatabaseConflictError,
     DatabaseLockedError,
     DatabaseUnavailableError,
@@ -55,7 +53,9 @@ from .errors import (
     RegistryError,
     SchemaVersionError,
 )
-from .settings import POSTGRES_SCHEMES
+from ..settings import POSTGRES_SCHEMES
+from . import ddl
+from .ddl import Connection, Migration, register
 
 if TYPE_CHECKING:
     import psycopg

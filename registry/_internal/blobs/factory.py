@@ -12,10 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .blobs import BlobStore, LocalBlobStore
+from .store import BlobStore, LocalBlobStore
 
 if TYPE_CHECKING:
-    from .settings import RegistrySettings
+    from ..settings import RegistrySettings
 
 logger = logging.getLogger("kvgraft.registry")
 
@@ -30,8 +30,8 @@ def open_blob_store(root: Path, settings: RegistrySettings) -> Iterator[BlobStor
         # Several server processes on one database may share the directory (cluster.py).
         store = LocalBlobStore(root, shared=settings.database is not None)
     else:
-        from .blobconfig import MAX_S3_PARTS, parse_blob_store_url
-        from .s3blobs import S3BlobStore
+        from ..blobconfig import MAX_S3_PARTS, parse_blob_store_url
+        from .s3 import S3BlobStore
 
         store = S3BlobStore(parse_blob_store_url(settings.blob_store), settings.s3)
         if settings.max_blob_bytes > settings.s3.largest_blob:

@@ -49,7 +49,7 @@ import anyio.to_thread
 
 from kvgraft.schemas import fsync_path
 
-from .errors import (
+from ..errors import (
     BadDigestError,
     BlobDigestMismatchError,
     BlobNotFoundError,
@@ -57,7 +57,7 @@ from .errors import (
     PayloadTooLargeError,
     RegistryError,
 )
-from .readcache import BoundedLru
+from ..readcache import BoundedLru
 
 logger = logging.getLogger("kvgraft.registry")
 

@@ -75,7 +75,7 @@ from kvgraft.verifier import (
     verify_consistency,
 )
 
-from .errors import (
+from ..errors import (
     AddCheckpointRequestError,
     CheckpointSignatureError,
     ConfigError,
@@ -412,9 +412,9 @@ def create_witness_app(signing_key: SigningKey, settings: WitnessSettings) -> An
 
     from kvgraft.verifier import KeyFileError, require_ed25519
 
-    from .problems import HttpEdge, http_error, internal_error, read_limited, registry_error
-    from .security import add_security_headers
-    from .settings import RegistrySettings
+    from ..http.problems import HttpEdge, http_error, internal_error, read_limited, registry_error
+    from ..http.security import add_security_headers
+    from ..settings import RegistrySettings
 
     try:
         key = WitnessKey(settings.name, require_ed25519(signing_key.public_key, "the witness key"))
@@ -477,8 +477,8 @@ def serve_witness(signing_key: SigningKey, settings: WitnessSettings, *, host: s
 
     import uvicorn
 
-    from .server import header_limited_protocol
-    from .settings import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADER_COUNT
+    from ..server import header_limited_protocol
+    from ..settings import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADER_COUNT
 
     if not 1 <= port <= 65535:
         raise ConfigError(f"port {port} is not between 1 and 65535", hint="pass --port 8001, or another free port")

@@ -27,9 +27,9 @@ from kvgraft.schemas import (
 from kvgraft.verifier import Dataset, VerificationError, harness_hashes, load_dataset
 from kvgraft.web import PlotSeries, kl_plot_svg, mean_figure, same_figure
 
-from . import queries
-from .errors import RegistryError
-from .service import Registry
+from .. import queries
+from ..errors import RegistryError
+from ..service import Registry
 
 logger = logging.getLogger("kvgraft.registry")
 

@@ -45,8 +45,9 @@ import socket
 import threading
 from typing import Any, Protocol
 
-from .accounts import Accounts
-from .db import (
+from ..accounts import Accounts
+from ..errors import NotSequencerError, RegistryError
+from ..storage.db import (
     ACCOUNTS_CHANNEL,
     LOG_CHANNEL,
     Connection,
@@ -56,7 +57,6 @@ from .db import (
     now_utc,
     session_tag,
 )
-from .errors import NotSequencerError, RegistryError
 
 
 class LogFollower(Protocol):
