@@ -24,11 +24,9 @@ database behind it is refused (signedhead.py).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,12 +65,10 @@ from .entries import (
 )
 from .errors import (
     InvalidLineageError,
-    InvalidStatementError,
     KeyNotBoundError,
     LogIntegrityError,
     LogRollbackError,
     MissingBlobsError,
-    MissingReferenceError,
     NotFoundError,
     NotSequencerError,
     RegistryError,
@@ -91,7 +87,21 @@ from .log.signedhead import (
     signed_head,
     stored_head,
 )
-from .log.tree import LogHead, TransparencyLog, format_vkey, hash_leaf, verify_checkpoint
+from .log.tree import LogHead, TransparencyLog, format_vkey, verify_checkpoint
+from .publishing import (
+    ENTRY_TYPES,
+    REF_TYPES,
+    SUBJECT_TYPES,
+    NewEntry,
+    PreparedPublish,
+    Published,
+    check_join,
+    check_pre_registration,
+    check_walk,
+    copy_error,
+    digest_of,
+    stops_unlogged,
+)
 from .queries import Ancestry, EntryRow
 from .ratelimit import RateLimiter
 from .reader import Reader
@@ -105,82 +115,6 @@ logger = logging.getLogger("kvgraft.registry")
 
 #: Leaves one catch-up with another process's appends loads at most (about 2 MiB of hashes).
 CATCH_UP_LEAVES = 65536
-
-
-@dataclass(frozen=True)
-class Published:
-    """The outcome of a publish: the entry document and whether it is new."""
-
-    document: dict[str, Any]
-    created: bool
-
-
-@dataclass(frozen=True)
-class PreparedPublish:
-    """A publish checked as far as it can be without the log's order, waiting for the sequencer.
-
-    ``lineage`` is the lineage walk of a child whose parent was logged when it was prepared
-    (None: a root, or a parent not logged yet); ``pre_registered`` whether a replay's
-    pre-registration was found and checked then. ``sequence_batch`` checks the rest.
-    """
-
-    body: bytes
-    digest: str
-    payload_type: str
-    indexed: IndexedStatement
-    token: TokenInfo
-    signers: tuple[KeyId, ...]
-    lineage: Ancestry | None
-    pre_registered: bool
-
-    @property
-    def size(self) -> int:
-        """The envelope's bytes (the sequencer's queue and batches are bounded by them)."""
-        return len(self.body)
-
-
-class _NewEntry:
-    """An accepted publish numbered for appending: its entry row as ``queries`` would read it back."""
-
-    def __init__(self, prepared: PreparedPublish, token: TokenInfo, log_index: int, integrated_at: str) -> None:
-        self.prepared = prepared
-        self.token = token
-        indexed = prepared.indexed
-        self.row = EntryRow(
-            log_index=log_index, digest=prepared.digest, leaf_hash=hash_leaf(prepared.body),
-            payload_type=prepared.payload_type, predicate_type=indexed.predicate_type, kind=indexed.kind,
-            publisher=token.publisher, keyids=prepared.signers, integrated_at=integrated_at, size=len(prepared.body),
-            artifact=indexed.artifact,
-        )
-
-    def entries_row(self) -> tuple[Any, ...]:
-        """The ``entries`` columns, in ``_ENTRY_TYPES`` order."""
-        r, a = self.row, self.row.artifact
-        return (
-            r.log_index, r.digest, r.leaf_hash, self.prepared.body, r.payload_type, r.predicate_type, r.kind,
-            r.publisher, list(r.keyids), self.token.token_id, r.integrated_at,
-            a.digest if a else None, a.model_name if a else None, a.model_weights_digest if a else None,
-            a.model_config_digest if a else None, a.profile_name if a else None, a.parent if a else None,
-            a.chain_key if a else None, a.position_start if a else None, a.position_end if a else None,
-            a.source_text if a else None, a.source_text_digest if a else None,
-        )
-
-
-#: The columns of ``entries`` (migration 1) with their types, as a batch inserts them.
-_ENTRY_TYPES = (
-    ("log_index", "BIGINT"), ("digest", "VARCHAR"), ("leaf_hash", "BLOB"), ("envelope", "BLOB"),
-    ("payload_type", "VARCHAR"), ("predicate_type", "VARCHAR"), ("kind", "VARCHAR"), ("publisher", "VARCHAR"),
-    ("keyids", "VARCHAR[]"), ("token_id", "VARCHAR"), ("integrated_at", "VARCHAR"), ("artifact_digest", "VARCHAR"),
-    ("model_name", "VARCHAR"), ("model_weights_digest", "VARCHAR"), ("model_config_digest", "VARCHAR"),
-    ("profile_name", "VARCHAR"), ("parent", "VARCHAR"), ("chain_key", "VARCHAR"), ("position_start", "BIGINT"),
-    ("position_end", "BIGINT"), ("source_text", "VARCHAR"), ("source_text_digest", "VARCHAR"),
-)
-_SUBJECT_TYPES = (("log_index", "BIGINT"), ("name", "VARCHAR"), ("digest", "VARCHAR"))
-_REF_TYPES = (("log_index", "BIGINT"), ("ref", "VARCHAR"), ("role", "VARCHAR"))
-
-
-def _digest_of(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 class Registry:
@@ -536,7 +470,7 @@ class Registry:
         settings = self.settings
         # Size, depth and signature count are refused before a single signature is verified.
         envelope = decode_envelope(body, max_signatures=settings.max_signatures, max_json_depth=settings.max_json_depth)
-        digest = _digest_of(body)
+        digest = digest_of(body)
         # Remembered lookups (accounts.py): no database statement, so no wait for a batch's commit.
         bound, registered = self.accounts.bound_keys(token), self.accounts.registered_keys()
         verified, statement = verify_for_token(envelope, bound, registered)
@@ -555,7 +489,7 @@ class Registry:
             if ref is not None:
                 found = queries.entry_by_digest(self.db, ref[0])
                 if found is not None:
-                    _check_pre_registration(ref, found)
+                    check_pre_registration(ref, found)
                     pre_registered = True
         except RegistryError:
             # Bytes already logged get their entry before any of these refusals (a quarantined
@@ -609,7 +543,7 @@ class Registry:
         Returns one outcome per publish, in order.
         """
         outcomes: list[Published | RegistryError | None] = [None] * len(batch)
-        accepted: list[tuple[int, _NewEntry]] = []
+        accepted: list[tuple[int, NewEntry]] = []
         # Duplicates of an entry of this batch: (position in batch, position in accepted).
         repeats: list[tuple[int, int]] = []
         # Duplicates of a committed entry: (position in batch, log index), answered once it is announced.
@@ -635,11 +569,11 @@ class Registry:
                         found = queries.entry_by_digest(self.db, ref[0])
                         if found is None:
                             found = next((e.row for _, e in accepted if e.row.digest == ref[0]), None)
-                        _check_pre_registration(ref, found)
+                        check_pre_registration(ref, found)
                 except RegistryError as e:
                     outcomes[i] = e
                     continue
-                entry = _NewEntry(p, current, self.log.size + len(accepted), integrated_at)
+                entry = NewEntry(p, current, self.log.size + len(accepted), integrated_at)
                 batch_digests[p.digest] = len(accepted)
                 a = entry.row.artifact
                 if a is not None:
@@ -650,9 +584,9 @@ class Registry:
                     head = self._append_entries([e for _, e in accepted])
                 except RegistryError as e:
                     for i, _ in accepted:
-                        outcomes[i] = _copy_error(e)
+                        outcomes[i] = copy_error(e)
                     for i, _ in repeats:
-                        outcomes[i] = _copy_error(e)
+                        outcomes[i] = copy_error(e)
                 else:
                     documents = [self._new_entry_document(e, head) for _, e in accepted]
                     for (i, _), document in zip(accepted, documents, strict=True):
@@ -678,7 +612,7 @@ class Registry:
                 self._announce_committed()
         except RegistryError as e:
             for i, _ in earlier:
-                outcomes[i] = _copy_error(e)
+                outcomes[i] = copy_error(e)
             return
         for i, index in earlier:
             try:
@@ -727,9 +661,9 @@ class Registry:
             parent = queries.first_artifact_entry(self.db, artifact.parent)
             if parent is None or parent.artifact is None:
                 return None
-            _check_join(artifact, parent)
+            check_join(artifact, parent)
             walk = queries.ancestors(self.db, artifact.digest, artifact.parent, self.settings.max_lineage_depth)
-        _check_walk(walk, self.settings.max_lineage_depth)
+        check_walk(walk, self.settings.max_lineage_depth)
         return walk
 
     def _check_lineage_in_batch(self, p: PreparedPublish, batch_artifacts: dict[str, EntryRow]) -> None:
@@ -744,7 +678,7 @@ class Registry:
         if artifact is None or artifact.parent is None:
             return
         walk = p.lineage
-        if walk is not None and not _stops_unlogged(walk):
+        if walk is not None and not stops_unlogged(walk):
             return
 
         def first_entry(digest: str) -> EntryRow | None:
@@ -756,9 +690,9 @@ class Registry:
                 f"the artifact's parent {artifact.parent} has no entry in this log",
                 hint="publish the parent artifact's statement first, then its children",
             )
-        _check_join(artifact, parent)
+        check_join(artifact, parent)
         limit = self.settings.max_lineage_depth
-        _check_walk(queries.ancestors(self.db, artifact.digest, artifact.parent, limit, first_entry=first_entry), limit)
+        check_walk(queries.ancestors(self.db, artifact.digest, artifact.parent, limit, first_entry=first_entry), limit)
 
     def _append(
         self, body: bytes, digest: str, payload_type: str, indexed: IndexedStatement, token: TokenInfo, keyids: list[KeyId]
@@ -766,11 +700,11 @@ class Registry:
         """Append one entry without any check (what the sequencer does for a batch of one); its index."""
         prepared = PreparedPublish(body, digest, payload_type, indexed, token, tuple(keyids), None, False)
         with self.db.lock:
-            entry = _NewEntry(prepared, token, self.log.size, now_utc())
+            entry = NewEntry(prepared, token, self.log.size, now_utc())
             self._append_entries([entry])
         return entry.row.log_index
 
-    def _append_entries(self, entries: Sequence[_NewEntry]) -> LogHead:
+    def _append_entries(self, entries: Sequence[NewEntry]) -> LogHead:
         """Append ``entries`` (numbered from the tree's size on) and sign, commit and announce one checkpoint.
 
         Under the database lock. The leaves join the in-memory tree, the checkpoint of the new
@@ -789,10 +723,10 @@ class Registry:
                 head = self.log.sign()
                 with self.db.transaction() as conn:
                     self._guard_append(conn, first)
-                    insert_rows(conn, "entries", _ENTRY_TYPES, [e.entries_row() for e in entries])
-                    insert_rows(conn, "entry_subjects", _SUBJECT_TYPES,
+                    insert_rows(conn, "entries", ENTRY_TYPES, [e.entries_row() for e in entries])
+                    insert_rows(conn, "entry_subjects", SUBJECT_TYPES,
                                 [(e.row.log_index, name, d) for e in entries for name, d in e.prepared.indexed.subjects])
-                    insert_rows(conn, "entry_refs", _REF_TYPES,
+                    insert_rows(conn, "entry_refs", REF_TYPES,
                                 [(e.row.log_index, ref, role) for e in entries for ref, role in e.prepared.indexed.refs])
                     search.index_texts(
                         conn, [(e.row.log_index, e.row.artifact.source_text) for e in entries if e.row.artifact is not None]
@@ -826,7 +760,7 @@ class Registry:
             self.on_new_head()
         return head
 
-    def _new_entry_document(self, entry: _NewEntry, head: LogHead) -> dict[str, Any]:
+    def _new_entry_document(self, entry: NewEntry, head: LogHead) -> dict[str, Any]:
         """The answer to a publish just appended: what ``_entry_document`` reads back, from memory.
 
         A checkpoint announced a moment ago has no witness cosignature yet (they are stored under
@@ -838,59 +772,3 @@ class Registry:
             "inclusion_proof": self.log.inclusion(entry.row.log_index, head.size),
             "checkpoint": head.note.decode("utf-8"),
         }
-
-# --- helpers -----------------------------------------------------------------------------------
-
-
-def _check_join(artifact: ArtifactFields, parent: EntryRow) -> None:
-    """A child starts where its parent's first entry ends (``InvalidLineageError`` otherwise)."""
-    parent_end = parent.artifact.position_end if parent.artifact is not None else None
-    if artifact.position_start != parent_end:
-        raise InvalidLineageError(
-            f"the artifact starts at position {artifact.position_start}, but its parent {artifact.parent} "
-            f"ends at position {parent_end}: a child must start where its parent ends"
-        )
-
-
-def _check_walk(walk: Ancestry, limit: int) -> None:
-    """Refuse a lineage walk that cycles or runs past ``limit`` (``InvalidLineageError``)."""
-    if walk.cut == "cycle":
-        raise InvalidLineageError(
-            f"the artifact's parent chain reaches {walk.cut_at} twice: publishing it would make a lineage cycle"
-        )
-    if walk.cut == "depth":
-        raise InvalidLineageError(
-            f"the artifact's parent chain is more than {limit} artifacts deep",
-            hint=f"start a new root artifact; lineages here are at most {limit} deep (max_lineage_depth)",
-            extra={"limit": limit},
-        )
-
-
-def _stops_unlogged(walk: Ancestry) -> bool:
-    """True when a walk ended at an ancestor without an entry (one may be logged later)."""
-    return walk.cut is None and bool(walk.ancestors) and walk.ancestors[-1].entry is None
-
-
-def _check_pre_registration(ref: tuple[str, int], found: EntryRow | None) -> None:
-    """A replay's pre-registration ``ref`` (entry digest, log index) is ``found``, at that index."""
-    digest, log_index = ref
-    if found is None:
-        raise MissingReferenceError(f"the replay answers to pre-registration {digest}, which is not in this log")
-    if found.log_index != log_index or found.kind != "pre-registration":
-        raise InvalidStatementError(
-            f"the replay says its pre-registration {digest} is entry {log_index}, but that digest is "
-            f"entry {found.log_index} ({found.kind})",
-            hint="point the replay at the pre-registration's real log index",
-        )
-
-
-def _copy_error(e: RegistryError) -> RegistryError:
-    """A fresh exception like ``e`` for each publish it fails (one instance raised in many threads
-    would gather their tracebacks)."""
-    copy = RegistryError.__new__(type(e))
-    copy.__dict__.update(e.__dict__)
-    copy.args = e.args
-    copy.__cause__ = e.__cause__
-    return copy
-
-

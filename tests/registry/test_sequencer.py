@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from kvgraft.registry import RegistryError
-from kvgraft.registry._internal.service import PreparedPublish
+from kvgraft.registry._internal.publishing import PreparedPublish
 from kvgraft.verifier import (
     envelope_json,
     ephemeral_signing_key,

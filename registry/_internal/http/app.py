@@ -61,9 +61,10 @@ from ..errors import (
     RegistryError,
 )
 from ..log.cosignatures import MAX_WITNESSES
+from ..publishing import Published
 from ..ranges import if_range_allows, none_match, parse_range
 from ..readcache import EnvelopeCache
-from ..service import Published, Registry
+from ..service import Registry
 from ..settings import RegistrySettings
 from ..tiles import CHECKPOINT_CACHE, IMMUTABLE, TILES_PREFIX, tile_resource
 from .openapi import registry_openapi_config
