@@ -29,6 +29,7 @@ from kvgraft.schemas import (
 
 from ._internal.audit import audit_report, outside_keys_hint
 from ._internal.cliparse import HelpFormatter, ToolParser, did_you_mean, examples_text, suggestions, walk
+from ._internal.design import verify_follows_design
 from ._internal.dsse import read_envelope, verify_envelope, verify_statement_envelope
 from ._internal.errors import DigestMismatchError, MalformedInputError, VerificationError
 from ._internal.evaluation import verify_evaluation_record
@@ -193,7 +194,19 @@ def _cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     verified = verify_evaluation_record(args.record, load_dataset(args.dataset), trusted)
     p = verified.statement.predicate
     a = p.aggregates
+    design: dict[str, Any] | None = None
+    if args.design is not None or p.design is not None:
+        # An arm of a design counts only with its design, logged first: both are checked or nothing passes.
+        if args.design is None or args.checkpoint is None or args.registry_key is None:
+            named = f"names design {p.design.envelope_digest} (arm {p.design.arm})" if p.design else "was given --design"
+            raise MalformedInputError(f"the evaluation {named}; checking it needs --design DIR, --checkpoint FILE and --registry-key PEM",
+                                      hint="pass the design's directory, the registry's signed checkpoint and its public key")
+        arm = verify_follows_design(args.record, verified, args.design, trusted, load_checkpoint(args.checkpoint, args.registry_key))
+        design = {"arm": arm.arm.name, "design_log_index": arm.design.log_index, "log_index": arm.log_index}
+    follows = (f"; arm {design['arm']} follows its design, logged at index {design['log_index']} after the design at "
+               f"{design['design_log_index']}" if design else "")
     return {
+        "design": design,
         "verified": "evaluation",
         "model": p.model.name,
         "dataset": {"name": p.dataset.name, "digest": p.dataset.digest},
@@ -205,7 +218,7 @@ def _cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         "signers": list(verified.signers),
         "summary": f"OK: evaluation of {p.model.name} on {p.dataset.name}, signed by {', '.join(verified.signers)}: "
         f"{a.correct}/{a.items} correct (accuracy {a.accuracy!r}), {a.decode_tokens} decode tokens; "
-        "every hash, grade and aggregate recomputed",
+        f"every hash, grade and aggregate recomputed{follows}",
     }
 
 
@@ -341,6 +354,10 @@ COMMAND_EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
     "eval": (
         ("kvgraft-verify eval ev --dataset data/datasets/gsm8k_test.jsonl --trusted-keys trusted.json",
          "every hash, grade and aggregate of an evaluation recomputed"),
+        ("kvgraft-verify eval results/capability/arms/flywheel --dataset data/datasets/gsm8k_test.jsonl --trusted-keys "
+         "results/capability/trusted-keys.json --design results/capability/design --checkpoint results/capability/checkpoint.txt "
+         "--registry-key results/capability/registry-key.pub.pem",
+         "and that an arm follows its pre-registered design, logged after it"),
     ),
     "exactness": (
         ("kvgraft-verify exactness record --trusted-keys trusted.json", "every logits hash, KL and argmax recomputed with numpy"),
@@ -429,6 +446,10 @@ def build_parser() -> ToolParser:
     ev.add_argument("record", type=Path, help="the record directory (record.dsse.json and outputs.jsonl)")
     ev.add_argument("--dataset", type=Path, required=True, help="the dataset the evaluation ran on: " + DATASET_HELP)
     ev.add_argument("--trusted-keys", type=Path, required=True, help="trusted-keys JSON file")
+    ev.add_argument("--design", type=Path, metavar="DIR",
+                    help="the pre-registered design the record is an arm of: checks it follows it and was logged after it")
+    ev.add_argument("--checkpoint", type=Path, help="with --design: the registry's signed checkpoint")
+    ev.add_argument("--registry-key", type=Path, metavar="PEM", help="with --design: the registry's Ed25519 public key (PEM)")
     ev.set_defaults(run=_cmd_eval)
 
     rp = sub.add_parser("replay", help="re-check a replay against its pre-registration and the log order")

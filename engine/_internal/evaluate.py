@@ -26,11 +26,13 @@ from kvgraft.schemas import (
     OUTPUTS_FILE,
     RECORD_FILE,
     DatasetRef,
+    DesignRef,
     DeterminismProfile,
     DocumentError,
     EvaluationItem,
     EvaluationPredicate,
     EvaluationStatement,
+    ExperimentDesign,
     PreRegistrationPredicate,
     PreRegistrationRef,
     PreRegistrationStatement,
@@ -78,6 +80,20 @@ def select(dataset: Dataset, limit: int | None, seed: int | None) -> list[int]:
     if seed is not None:
         return sorted(random.Random(seed).sample(ids, min(limit or len(ids), len(ids))))
     return ids[:limit] if limit is not None else ids
+
+
+def _chosen(dataset: Dataset, doc_ids: Sequence[int] | None, limit: int | None, seed: int | None) -> list[int]:
+    """The problems a run answers: ``doc_ids`` (checked: distinct, in the dataset), else ``select``'s."""
+    if doc_ids is None:
+        return select(dataset, limit, seed)
+    if limit is not None or seed is not None:
+        raise EvaluationError("doc ids were given with a limit or seed", hint="give the doc ids alone")
+    chosen = list(doc_ids)
+    outside = [i for i in chosen if not 0 <= i < len(dataset.docs)]
+    if outside or len(set(chosen)) != len(chosen) or not chosen:
+        raise EvaluationError(f"the doc ids {'include ' + str(outside[:5]) + ' outside ' + dataset.name if outside else 'repeat or are empty'}",
+                              hint=f"pass distinct doc ids from 0 to {len(dataset.docs) - 1}")
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -246,6 +262,8 @@ def run_eval(
     passphrase: bytes | None = None,
     on_item: Callable[[int, int, EvaluationItem], None] | None = None,
     sampling: Sampling = GREEDY,
+    design: DesignRef | None = None,
+    doc_ids: Sequence[int] | None = None,
 ) -> EvalRun:
     """Evaluate ``model`` on ``dataset_path`` and write the signed record.
 
@@ -264,6 +282,11 @@ def run_eval(
     problem ``doc_id`` is decoded with ``sampling.offset(doc_id)`` (seed + doc id), so an item's
     answer does not depend on which others ran, in what order or batch; the record's settings
     hold ``temperature``, ``top_p`` and ``sample_seed``.
+
+    ``design``: the pre-registered design this run is an arm of, named in the record (whether
+    the record follows it is ``kvgraft-verify eval --design``'s check). ``doc_ids``: these
+    problems, in this order, in place of ``limit`` and ``seed`` (the record's settings hold
+    their count as ``limit`` and the sha256 of their canonical JSON list as ``doc_ids_sha256``).
     """
     if max_new_tokens < 1:
         raise EvaluationError(f"--max-new-tokens {max_new_tokens} is not positive", hint="e.g. --max-new-tokens 256")
@@ -285,7 +308,10 @@ def run_eval(
             raise EvaluationError(f"library {library.directory} holds no entry {fixed_entry}",
                                   hint=f"pass the artifact digest of one of its entries ({library.directory}/index.jsonl)")
         fixed = Hit(match[0], "fixed", 0.0)
-    doc_ids = select(dataset, limit, seed)
+    chosen = _chosen(dataset, doc_ids, limit, seed)
+    if doc_ids is not None:
+        limit, seed = len(chosen), None
+    doc_ids = chosen
     mode = "base" if library is None else "fixed" if fixed is not None else "library"
     settings: dict[str, str | int | float | bool | None] = {
         "mode": mode, "max_new_tokens": max_new_tokens, "limit": limit, "seed": seed, "batch": batch,
@@ -294,6 +320,8 @@ def run_eval(
         "library_entries": len(library.entries) if library is not None else None,
         "library_entry_fixed": fixed_entry,
     }
+    if chosen != select(dataset, limit, seed):
+        settings["doc_ids_sha256"] = hex_of(sha256_bytes(canonical_json(chosen)))
     if not sampling.greedy:
         # Only a sampled run says so: a greedy run's settings (and journal) are what they always were.
         settings.update({"temperature": sampling.temperature, "top_p": sampling.top_p, "sample_seed": sampling.seed})
@@ -310,6 +338,21 @@ def run_eval(
     finally:
         journal.close()
     done = [journal.done[i] for i in doc_ids]
+    if library is not None:
+        # How many answers were of each kind (issue 39): recalled, assisted, unassisted.
+        kinds = [_kind(library, dataset, d, fixed=fixed is not None) for d in done]
+        settings.update({kind: kinds.count(kind) for kind in ("recalled", "assisted", "unassisted")})
+    run = _write_evaluation(model, profile, dataset, done, settings, out, key=key, passphrase=passphrase, design=design)
+    journal.path.unlink(missing_ok=True)
+    return run
+
+
+def _write_evaluation(model: AnyModel, profile: DeterminismProfile, dataset: Dataset, done: list[_Done],
+                      settings: dict[str, str | int | float | bool | None], out: Path, *, key: Path,
+                      passphrase: bytes | None, design: DesignRef | None) -> EvalRun:
+    """Grade, hash and count the finished items ``done`` (in record order) and write the signed
+    evaluation record with its outputs file under ``out`` (``settings`` gains the cut-off count,
+    time and energy)."""
     items, lines = [], []
     for d in done:
         items.append(_item(dataset, d))
@@ -318,10 +361,7 @@ def run_eval(
     joules = sum(d.joules for d in done)
     energy_method = "measured" if done and all(d.energy_method == "measured" for d in done) else "estimated"
     outputs = outputs_file_bytes(lines)
-    if library is not None:
-        # How many answers were of each kind (issue 39): recalled, assisted, unassisted.
-        kinds = [_kind(library, dataset, d, fixed=fixed is not None) for d in done]
-        settings.update({kind: kinds.count(kind) for kind in ("recalled", "assisted", "unassisted")})
+    settings = dict(settings)
     settings.update({
         # How many answers the budget cut off: what says whether it bound.
         "cut_off": sum(d.stopped_by == "max_new_tokens" for d in done),
@@ -336,10 +376,10 @@ def run_eval(
             aggregates=evaluation_aggregates(items),
             outputs_digest=sha256_bytes(outputs),
             library_artifacts=sorted({i.library_entry for i in items if i.library_entry is not None}),
+            design=design,
         ),
     )
     _write_record_dir(out, statement, {OUTPUTS_FILE: outputs}, key=key, passphrase=passphrase)
-    journal.path.unlink(missing_ok=True)
     return EvalRun(out, statement, seconds, joules, energy_method)
 
 
@@ -504,6 +544,31 @@ def write_pre_registration(
         ),
     )
     _write_record_dir(out, statement, {EXPECTED_OUTPUTS_FILE: outputs}, key=key, passphrase=passphrase)
+    return statement
+
+
+def write_design(out: Path, design: ExperimentDesign, *, model: AnyModel, profile: DeterminismProfile, dataset_path: Path,
+                 command: Sequence[str], key: Path, passphrase: bytes | None = None) -> PreRegistrationStatement:
+    """Pre-register an experiment's ``design`` (a pre-registration with ``design`` set, no
+    expected outputs: its only subject is an empty ``expected-outputs.jsonl``) under ``out``.
+
+    Written before any test output exists, and logged (``kvgraft publish``) before any arm's
+    record is: each arm's evaluation record then names it (``run_eval(design=...)``) and counts
+    only if logged after it. Refuses a ``dataset_path`` that is not the design's test split."""
+    dataset = load_dataset(dataset_path)
+    if dataset.digest != design.test.digest:
+        raise EvaluationError(f"{dataset_path} has digest {dataset.digest}, but the design's test split is {design.test.digest}",
+                              hint="pass the test split's dataset file, unmodified")
+    empty = b""
+    statement = PreRegistrationStatement(
+        subject=[_subject(EXPECTED_OUTPUTS_FILE, empty)],
+        predicate=PreRegistrationPredicate(
+            model=model.ref, profile=profile, dataset=DatasetRef(name=dataset.name, digest=dataset.digest),
+            command=list(command), settings={"k": design.k, "budget": design.budget, "arms": len(design.arms)},
+            expected_output_hashes={}, expected_outputs_digest=sha256_bytes(empty), design=design,
+        ),
+    )
+    _write_record_dir(out, statement, {EXPECTED_OUTPUTS_FILE: empty}, key=key, passphrase=passphrase)
     return statement
 
 

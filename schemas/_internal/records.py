@@ -19,6 +19,19 @@ EVALUATION_PREDICATE: Final = "https://kvgraft.dev/evaluation/v1"
 PRE_REGISTRATION_PREDICATE: Final = "https://kvgraft.dev/pre-registration/v1"
 REPLAY_PREDICATE: Final = "https://kvgraft.dev/replay/v1"
 
+#: An arm's name: what an evaluation record's ``design.arm`` says and the summary's key.
+ARM_NAME_PATTERN: Final = r"^[a-z][a-z0-9@._-]{0,63}$"
+#: The most arms, doc ids and comparisons a design holds (GSM8K test has 1,319 problems).
+MAX_DESIGN_ARMS: Final = 16
+MAX_DESIGN_DOCS: Final = 100_000
+
+Scalar = str | int | float | bool | None
+
+
+def _none(value: object) -> bool:
+    """Whether an optional field is absent (left out of the JSON then)."""
+    return value is None
+
 
 # --- exactness -----------------------------------------------------------------------------
 
@@ -30,6 +43,14 @@ class DatasetRef(Contract):
     digest: DigestField
 
 
+
+
+class DesignRef(Contract):
+    """The pre-registered design an evaluation is an arm of: the design's envelope digest (its
+    ``record.dsse.json`` bytes, as logged) and the arm's name."""
+
+    envelope_digest: DigestField
+    arm: str = Field(pattern=ARM_NAME_PATTERN)
 
 
 class LogitsFiles(Contract):
@@ -134,6 +155,8 @@ class EvaluationPredicate(Contract):
     aggregates: EvaluationAggregates
     outputs_digest: DigestField = Field(description="sha256 of the outputs file")
     library_artifacts: list[DigestField] = Field(default_factory=list)
+    # Left out of the JSON when absent: a record of no design is the bytes it always was.
+    design: DesignRef | None = Field(default=None, exclude_if=_none)
 
 
 class EvaluationStatement(Statement):
@@ -148,8 +171,80 @@ class EvaluationStatement(Statement):
 # --- pre-registration and replay -----------------------------------------------------------
 
 
+class DesignSplit(Contract):
+    """A dataset split a design draws from: the file (name, sha256 of its bytes), the doc ids it
+    uses, in order, and the rule that drew them (words, for the reader)."""
+
+    name: str
+    digest: DigestField
+    doc_ids: list[int] = Field(max_length=MAX_DESIGN_DOCS)
+    rule: str
+
+    @model_validator(mode="after")
+    def _distinct(self) -> DesignSplit:
+        if any(i < 0 for i in self.doc_ids) or len(set(self.doc_ids)) != len(self.doc_ids):
+            raise ValueError("doc_ids must be distinct non-negative integers")
+        return self
+
+
+class DesignArm(Contract):
+    """One arm of a design: its name, what it does (words), and the settings its evaluation
+    record must hold (each key with exactly this value: ``kvgraft-verify eval --design`` checks)."""
+
+    name: str = Field(pattern=ARM_NAME_PATTERN)
+    description: str
+    settings: dict[str, Scalar]
+
+
+class DesignComparison(Contract):
+    """A pre-registered paired comparison: ``second - first`` on the same problems."""
+
+    first: str = Field(pattern=ARM_NAME_PATTERN)
+    second: str = Field(pattern=ARM_NAME_PATTERN)
+    primary: bool = False
+
+
+class DesignAnalysis(Contract):
+    """The analysis fixed before any test output: the paired test, its level, the comparisons
+    and the interval reported for each arm's accuracy."""
+
+    test: Literal["mcnemar-exact-two-sided"]
+    alpha: float = Field(gt=0.0, lt=1.0)
+    interval: Literal["wilson-95"]
+    comparisons: list[DesignComparison] = Field(min_length=1, max_length=MAX_DESIGN_ARMS * MAX_DESIGN_ARMS)
+
+
+class ExperimentDesign(Contract):
+    """An experiment's design, pre-registered (logged) before any test output exists: the
+    splits, the arms (paired on ``test.doc_ids``), ``k`` samples per voted problem, the decode
+    budget per decode, the decision rule and the analysis. The model, profile and test dataset
+    are the pre-registration's own fields."""
+
+    format: Literal["kvgraft-design/v1"] = "kvgraft-design/v1"
+    test: DesignSplit
+    train: DesignSplit | None = None
+    arms: list[DesignArm] = Field(min_length=1, max_length=MAX_DESIGN_ARMS)
+    k: int = Field(ge=1, le=64)
+    budget: int = Field(ge=1, description="max_new_tokens of every decode")
+    decision_rule: str
+    analysis: DesignAnalysis
+
+    @model_validator(mode="after")
+    def _names(self) -> ExperimentDesign:
+        names = [a.name for a in self.arms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"arm names repeat: {names}")
+        for c in self.analysis.comparisons:
+            for name in (c.first, c.second):
+                if name not in names:
+                    raise ValueError(f"comparison names arm {name!r}, which is not among the arms {names}")
+        return self
+
+
 class PreRegistrationPredicate(Contract):
-    """What a replay will run and the output digests it must reproduce, logged beforehand."""
+    """What a replay will run and the output digests it must reproduce, logged beforehand; or,
+    with ``design``, an experiment's design: its arms' evaluation records name it, and count
+    only when logged after it. A design expects no outputs (``expected_output_hashes`` empty)."""
 
     model: ModelRef
     profile: DeterminismProfile
@@ -158,6 +253,8 @@ class PreRegistrationPredicate(Contract):
     settings: dict[str, str | int | float | bool | None]
     expected_output_hashes: dict[str, HexDigestField] = Field(description="doc_id -> output_hash")
     expected_outputs_digest: DigestField
+    # Left out of the JSON when absent: a replay's pre-registration is the bytes it always was.
+    design: ExperimentDesign | None = Field(default=None, exclude_if=_none)
 
 
 class PreRegistrationStatement(Statement):
