@@ -24,7 +24,8 @@ forward pass; stopped runs resume from their journals). ``table`` recomputes, fr
 accuracy with 95% Wilson intervals, the budget's cut-off rate, and for each pair of conditions
 the paired difference with its 95% interval and McNemar's exact test (two-sided binomial on the
 discordant pairs); it re-checks every record with ``kvgraft-verify eval`` and writes
-``OUT/summary.json`` and ``OUT/README.md``.
+``OUT/v1-summary.json`` and ``OUT/v1-README.md`` (``OUT/summary.json`` and ``OUT/README.md`` are the
+redesigned experiment's, scripts/capability_v2.py).
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def table(args: argparse.Namespace) -> None:
     fixed_entry = args.work / "fixed-entry.json"
     if fixed_entry.exists():
         summary["fixed_entry"] = json.loads(fixed_entry.read_text())
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (args.out / "v1-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     lines = [
         f"# Capability experiment: {args.model}, GSM8K test, {args.size} problems (seed {args.seed})",
         "",
@@ -196,8 +197,8 @@ def table(args: argparse.Namespace) -> None:
         lo, hi = pair["low"], pair["high"]
         lines.append(f"| {name} | {pair['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {pair['only_second_correct']} | "
                      f"{pair['only_first_correct']} | {pair['mcnemar_exact_p']:.3g} |")
-    (args.out / "README.md").write_text("\n".join(lines) + "\n")
-    log(f"table: {args.out / 'README.md'}")
+    (args.out / "v1-README.md").write_text("\n".join(lines) + "\n")
+    log(f"table: {args.out / 'v1-README.md'}")
 
 
 def main() -> None:
