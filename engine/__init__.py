@@ -18,7 +18,7 @@ from ._internal.artifacts import (
     logits_digest,
     read_statement,
 )
-from ._internal.capability import FLYWHEEL_RULE, VOTE_RULE, decide, run_voted_eval
+from ._internal.capability import FLYWHEEL_RULE, VOTE_RULE, run_voted_eval
 from ._internal.errors import (
     ArtifactError,
     ArtifactSignatureError,
@@ -149,7 +149,7 @@ __all__ = [
     "fresh", "generate", "graft", "is_cached", "is_installed", "kvgraft_home", "load_artifact", "load_model", "local_key_path",
     "locate_gguf", "logits_digest", "read_kv_file", "read_text", "require_same", "serialize", "spec_for", "token_digest",
     "EvalRun", "clean_solution", "read_meta", "run_eval", "run_exactness", "run_replay", "select", "summary_table",
-    "write_pre_registration", "write_design", "run_voted_eval", "decide", "FLYWHEEL_RULE", "VOTE_RULE", "Wheel", "install", "install_hint", "AnyModel", "LlamaCppError", "LlamaCppModel", "load_model_for", "server_binary", "LLAMACPP_SETTINGS", "LlamaCppState",
+    "write_pre_registration", "write_design", "run_voted_eval", "FLYWHEEL_RULE", "VOTE_RULE", "Wheel", "install", "install_hint", "AnyModel", "LlamaCppError", "LlamaCppModel", "load_model_for", "server_binary", "LLAMACPP_SETTINGS", "LlamaCppState",
     "llama_cpp_bindings", "DecodeJob", "decode_batch", "new_state", "draw_pairs",
     "ServerIdentity", "SlotError", "VerifiedSlot", "read_slot", "restore_slot", "server_identity", "sign_slot", "verify_slot",
     "ContextWindowError", "EngineServerConfigError", "EngineServerError", "NOTHING_GRAFTED", "ServeConfig", "ServeSettings",

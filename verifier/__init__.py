@@ -9,6 +9,7 @@ they never return a bool.
 from kvgraft.schemas import EXPECTED_OUTPUTS_FILE, LOG_PROOF_FILE, LOGITS_DIR, OUTPUTS_FILE, RECORD_FILE, write_atomic
 
 from ._internal.audit import AuditLine, AuditReport, audit_report
+from ._internal.design import compose, decide
 from ._internal.dsse import (
     VerifiedEnvelope,
     b64decode_any,
@@ -185,6 +186,7 @@ from ._internal.witness import (
 )
 
 __all__ = [
+    "compose", "decide",
     "MAX_ENTRY_BYTES", "TILE_WIDTH", "TILES_CHECKPOINT", "DirectoryTileSource", "HttpTileSource", "Tile", "TileError", "TileSource",
     "TiledEntry", "TiledLog", "bundles_for_size", "encode_bundle", "fetch_checkpoint", "parse_bundle", "parse_tile_path",
     "read_tiled_log", "tile_data", "tiles_for_size",

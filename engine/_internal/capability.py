@@ -16,21 +16,21 @@ the budget gives no answer):
 
 The record's output for a problem is the finished decodes' texts, each after a line ``[sample]``
 or ``[grafted]``, then ``[decision] #### ANSWER`` (or ``[decision] none``): what the grader reads
-is the decision. Its ``decode_tokens`` and ``prompt_tokens`` count every decode the problem
-cost, cut-off ones included.
+is the decision. The format and ``decide`` are the verifier's (``kvgraft.verifier.compose``,
+``decide``), which re-decides every problem from the answers its output lists. Its
+``decode_tokens`` and ``prompt_tokens`` count every decode the problem cost, cut-off ones included.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from kvgraft.schemas import DesignRef, DeterminismProfile, EvaluationItem, hex_of, sha256_bytes
-from kvgraft.verifier import Dataset, extract_answer, load_dataset
+from kvgraft.verifier import Dataset, compose, decide, extract_answer, load_dataset
 
 from .errors import EvaluationError
 from .evaluate import EvalRun, _chosen, _Done, _item, _Journal, _write_evaluation, journal_path
@@ -43,8 +43,6 @@ FLYWHEEL_RULE = (
     "verified library entry grafted (when its similarity reaches graft_threshold; else unassisted) and decide by "
     "plurality of the samples' answers and that answer, a tie going to it, then to the answer given first"
 )
-#: What a problem's output says when no finished decode gave an answer (no digits: nothing to extract).
-NO_DECISION = "[decision] none: no finished decode gave an answer"
 
 Mode = Literal["vote", "flywheel"]
 
@@ -61,30 +59,6 @@ def _finished(decoded_stop: str) -> bool:
 
 def _answer(dataset: Dataset, d: _Done) -> str | None:
     return extract_answer(dataset.kind, d.output) if _finished(d.stopped_by) else None
-
-
-def decide(answers: Sequence[str | None], grafted: str | None = None) -> str | None:
-    """The decision of ``answers`` (the samples', in order; None for no answer) and ``grafted``
-    (the flywheel's grafted answer, or None): plurality, a tie going to ``grafted``, then to the
-    answer given first."""
-    given = [a for a in answers if a is not None] + ([grafted] if grafted is not None else [])
-    if not given:
-        return None
-    counts = Counter(given)
-    top = max(counts.values())
-    if grafted is not None and counts[grafted] == top:
-        return grafted
-    return next(a for a in given if counts[a] == top)
-
-
-def compose(samples: Sequence[str | None], grafted: str | None, decision: str | None) -> str:
-    """A problem's output text: each finished decode's text after ``[sample]`` / ``[grafted]``
-    (None: cut off, left out), then the decision line."""
-    parts = [f"[sample]\n{text}" for text in samples if text is not None]
-    if grafted is not None:
-        parts.append(f"[grafted]\n{grafted}")
-    parts.append(f"[decision] #### {decision}" if decision is not None else NO_DECISION)
-    return "\n\n".join(parts)
 
 
 def samples_journal_identity(model: AnyModel, profile: DeterminismProfile, dataset: Dataset, doc_ids: Sequence[int], k: int,
