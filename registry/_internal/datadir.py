@@ -9,7 +9,7 @@
     DATA/blobs/quarantine/      blobs found damaged, as <hex>.<UTC timestamp> (never served; see blobs.py)
     DATA/admin.json             while a server runs: its URL and admin secret (0600)
     DATA/signed-head.json       the largest tree head this directory's processes signed or served, kept outside the database
-                                so that a rolled-back database is refused (see service.py)
+                                so that a rolled-back database is refused (see log/signedhead.py)
     DATA/.signed-head.lock      flock'ed while signed-head.json is written (it never moves back)
 """
 

@@ -1,7 +1,7 @@
 """What a publish is on its way into the log, and the checks of it that need no registry state.
 
 ``PreparedPublish`` is a publish checked as far as it can be without the log's order (what
-``Registry.prepare_publish`` hands the sequencer); ``NewEntry`` is one accepted and numbered, with
+``Publisher.prepare_publish`` hands the sequencer); ``NewEntry`` is one accepted and numbered, with
 the rows a batch inserts (``ENTRY_TYPES``, ``SUBJECT_TYPES``, ``REF_TYPES``: the columns of
 migration 1 with their types); ``Published`` is the answer. The lineage and pre-registration
 checks here are pure functions of rows, shared by the prepare step and the sequencer's batch.

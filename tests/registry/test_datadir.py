@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import stat
 import subprocess
@@ -238,3 +239,30 @@ def test_a_different_tree_at_a_saved_size_was_written_over_the_head_regression_s
     # The same tree, grown, is written.
     grown = kat_log.sign(6)
     assert write_signed_head(data, SignedHead(kat_log.origin, 6, grown.root_hash, grown.note), root_at=kat_log.root) is True
+
+
+def test_registry_open_builds_the_serving_workers_and_stops_them_regression_lifespan_patching(tmp_path: Path) -> None:
+    # The app's lifespan set the sequencer, the lease, the witness hook and the scrubber on the
+    # registry after constructing it (issue 38); Registry.open(serving=True) builds them now.
+    with Registry.open(tmp_path / "plain", RegistrySettings()) as plain:
+        assert plain.publisher.sequencer is None and plain.scrubber is None
+    with Registry.open(tmp_path / "served", RegistrySettings(scrub_interval=60), serving=True) as served:
+        sequencer, scrubber = served.publisher.sequencer, served.scrubber
+        assert sequencer is not None and scrubber is not None
+        assert sequencer._thread.is_alive() and scrubber._thread.is_alive()
+        assert served.cluster is None  # DuckDB: no lease to hold
+    assert not sequencer._thread.is_alive() and not scrubber._thread.is_alive()
+
+
+def test_the_http_wing_sets_nothing_on_the_registry() -> None:
+    http = Path(__file__).resolve().parents[2] / "registry" / "_internal" / "http"
+    assigned = [
+        f"{path.name}:{node.lineno}"
+        for path in sorted(http.glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "registry"
+        or isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute) and target.value.attr == "registry"
+    ]
+    assert assigned == [], f"set on the registry outside Registry.open: {assigned}"

@@ -81,7 +81,7 @@ def _prepared(
         assert h.put_blob(art.tensors, publisher).status_code in (200, 201)
         envelope = key.sign(art.statement)
     assert envelope is not None
-    prepared = registry.prepare_publish(envelope, registry.authenticate(f"Bearer {h.tokens[publisher]}"))
+    prepared = registry.publisher.prepare_publish(envelope, registry.authenticate(f"Bearer {h.tokens[publisher]}"))
     assert isinstance(prepared, PreparedPublish), "already logged"
     return prepared
 
@@ -96,9 +96,9 @@ def _outcome(future: Future[Any]) -> Any:
 def _in_one_batch(h: Harness, prepared: list[PreparedPublish]) -> list[Any]:
     """Queue ``prepared`` in this order, each announced as on its way first (as the app does for
     a request), so that the batch the first opens waits for the rest; their outcomes."""
-    sequencer = _registry(h).sequencer
+    sequencer = _registry(h).publisher.sequencer
     with sequencer.arriving():
-        futures = [_registry(h).submit(p) for p in prepared]
+        futures = [_registry(h).publisher.submit(p) for p in prepared]
     return [_outcome(f) for f in futures]
 
 
@@ -390,13 +390,13 @@ def test_a_full_queue_is_answered_503_with_retry_after_and_logs_nothing(tmp_path
         futures = []
         # The sequencer cannot take the database lock while the test holds it: the queue fills.
         with registry.db.lock:
-            futures.append(registry.submit(held[0]))
+            futures.append(registry.publisher.submit(held[0]))
             deadline = time.monotonic() + 30
-            while registry.sequencer.queued and time.monotonic() < deadline:
+            while registry.publisher.sequencer.queued and time.monotonic() < deadline:
                 time.sleep(0.005)  # until the sequencer took it and waits for the lock
-            futures += [registry.submit(held[1]), registry.submit(held[2])]
+            futures += [registry.publisher.submit(held[1]), registry.publisher.submit(held[2])]
             with pytest.raises(RegistryError, match="2 publishes .* are already waiting to be logged; this registry queues at most 2"):
-                registry.submit(held[3])
+                registry.publisher.submit(held[3])
             r = h.publish(alice.sign(waiting.statement))
             assert r.status_code == 503
             assert r.headers["retry-after"] == "1"
@@ -450,5 +450,5 @@ def test_a_statement_the_database_cannot_store_is_refused_before_it_is_queued(
     r = batched.publish(envelope)
     assert r.status_code == 422, r.text
     assert r.json()["type"].endswith("/invalid-statement") and "lone UTF-16 surrogate" in r.json()["detail"]
-    assert _registry(batched).sequencer.sequenced == 0
+    assert _registry(batched).publisher.sequencer.sequenced == 0
     assert batched.publish_artifact(artifact("a good one after it"), alice)["entry"]["log_index"] == 0

@@ -89,7 +89,7 @@ def publish_pre_registrations(h: Harness, key: Key, start: int, count: int) -> l
     for n in range(start, start + count):
         statement = base.model_copy(update={"predicate": base.predicate.model_copy(update={"settings": {"n": n}})})
         envelope = key.sign(statement)
-        assert registry.publish(envelope, info).created
+        assert registry.publisher.publish(envelope, info).created
         envelopes.append(envelope)
     return envelopes
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from kvgraft.registry import RegistrySettings
-from kvgraft.registry._internal import service as service_module
+from kvgraft.registry._internal import publisher as publisher_module
 from kvgraft.registry._internal.datadir import DataDir, read_signed_head, write_signed_head
 from kvgraft.registry._internal.datadir import SignedHead as SavedHead
 from kvgraft.registry._internal.errors import LogRollbackError
@@ -199,8 +199,8 @@ def test_envelope_with_more_signatures_than_max_signatures_is_refused_before_ver
     assert reg.put_blob(art.tensors).status_code == 201
     good = rkeys["alice"].sign(art.statement)
     calls = []
-    real = service_module.verify_for_token
-    monkeypatch.setattr(service_module, "verify_for_token", lambda *a: calls.append(1) or real(*a))
+    real = publisher_module.verify_for_token
+    monkeypatch.setattr(publisher_module, "verify_for_token", lambda *a: calls.append(1) or real(*a))
     doc = _problem(reg.publish(_with_garbage_signatures(good, 16)), 413, "too-many-signatures")
     assert "carries 17 signatures; this registry verifies at most 16 per envelope" in doc["detail"]
     assert doc["limit"] == 16
@@ -238,7 +238,7 @@ def test_publish_verifies_signatures_outside_the_database_lock_and_still_honours
     reg: Harness, rkeys: dict[str, Key], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     registry = _registry(reg)
-    real = service_module.verify_for_token
+    real = publisher_module.verify_for_token
     held: list[bool] = []
     revoke: list[str] = []
 
@@ -249,7 +249,7 @@ def test_publish_verifies_signatures_outside_the_database_lock_and_still_honours
             registry.accounts.revoke_token(revoke.pop())
         return real(*args)
 
-    monkeypatch.setattr(service_module, "verify_for_token", spy)
+    monkeypatch.setattr(publisher_module, "verify_for_token", spy)
     first = artifact("verified without the lock")
     reg.publish_artifact(first, rkeys["alice"])
     assert held == [False]
@@ -270,7 +270,7 @@ def test_a_slow_publish_verification_does_not_stall_reads(
 ) -> None:
     art = artifact("slow verification")
     assert reg.put_blob(art.tensors).status_code == 201
-    real = service_module.verify_for_token
+    real = publisher_module.verify_for_token
     entered, release = threading.Event(), threading.Event()
 
     def slow(*args: Any) -> Any:
@@ -278,12 +278,12 @@ def test_a_slow_publish_verification_does_not_stall_reads(
         release.wait(30)
         return real(*args)
 
-    monkeypatch.setattr(service_module, "verify_for_token", slow)
+    monkeypatch.setattr(publisher_module, "verify_for_token", slow)
     registry = _registry(reg)
     token = reg.make_token("alice", rkeys["alice"])[0]
     info = registry.authenticate(f"Bearer {token}")
     result: list[Any] = []
-    worker = threading.Thread(target=lambda: result.append(registry.publish(rkeys["alice"].sign(art.statement), info)))
+    worker = threading.Thread(target=lambda: result.append(registry.publisher.publish(rkeys["alice"].sign(art.statement), info)))
     worker.start()
     try:
         assert entered.wait(30)

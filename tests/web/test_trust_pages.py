@@ -100,7 +100,7 @@ def _append_old(registry: Registry, envelope: bytes, indexed: IndexedStatement, 
     digest = "sha256:" + hashlib.sha256(envelope).hexdigest()
     token = TokenInfo(token_id="tok_old_data", publisher=publisher, keyids=())
     with registry.db.lock:
-        registry._append(envelope, digest, "application/vnd.in-toto+json", indexed, token, [])
+        registry.publisher._append(envelope, digest, "application/vnd.in-toto+json", indexed, token, [])
     return digest
 
 

@@ -314,13 +314,14 @@ async def post_entry(request: Request[Any, Any, Any]) -> Response[EntryDocument]
     """
     registry = _registry(request)
     # On its way to the sequencer from here: an open batch waits for it (up to batch_wait_ms).
-    with registry.sequencer.arriving() if registry.sequencer is not None else contextlib.nullcontext():
+    sequencer = registry.publisher.sequencer
+    with sequencer.arriving() if sequencer is not None else contextlib.nullcontext():
         token = await _authenticate(request)
         body = await read_limited(request, registry.settings.max_envelope_bytes, "envelope")
         # Verified in a worker thread, concurrently with other publishes; then queued for the
         # sequencer, whose batch answers it once durable: no thread waits meanwhile.
-        prepared = await _run(registry.prepare_publish, body, token)
-        pending = prepared if isinstance(prepared, Published) else registry.submit(prepared)
+        prepared = await _run(registry.publisher.prepare_publish, body, token)
+        pending = prepared if isinstance(prepared, Published) else registry.publisher.submit(prepared)
     published = pending if isinstance(pending, Published) else await asyncio.wrap_future(pending)
     index = published.document["entry"]["log_index"]
     return Response(

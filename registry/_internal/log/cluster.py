@@ -23,7 +23,7 @@ only then sequences (``Registry.take_over``); one that cannot (the database is b
 it holds: a rollback) gives the lease back and keeps serving reads. Each append transaction of
 the holder takes ``LOG_LOCK``, checks in the database that its lease session still holds the
 lease and that the log's newest checkpoint is the one it extends, and notifies the others
-(``Registry._append_entries``, ``Cluster.guard``); so a holder that lost its lease without
+(``Publisher._append_entries``, ``Cluster.guard``); so a holder that lost its lease without
 noticing cannot commit, two processes can never append at one tree size, and no checkpoint is
 handed out before it is committed: the log never forks.
 

@@ -2,8 +2,8 @@
 
 What Trillian's sequencer and Tessera do. Everything about a publish that does not depend on the
 log's order is checked before it is queued, concurrently, without the database lock
-(``Registry.prepare_publish``). One thread, owned by the app's lifespan, then takes the queued
-publishes in arrival order and hands them to ``Registry.sequence_batch`` in batches: one
+(``Publisher.prepare_publish``). One thread, owned by the app's lifespan, then takes the queued
+publishes in arrival order and hands them to ``Publisher.sequence_batch`` in batches: one
 database transaction, one Merkle update, one signed checkpoint and one ``signed-head.json``
 fsync per batch. Each publish's ``Future`` is resolved (its entry, inclusion proof and the
 batch's checkpoint, or its own error) only once its batch is durable.
