@@ -81,6 +81,30 @@ def test_truncated_bundle(vectors: Path, tmp_path: Path) -> None:
         _verify_v3(vectors, path)
 
 
+def test_bundle_json_regression_duplicate_keys_were_accepted(vectors: Path, tmp_path: Path) -> None:
+    """Was: the bundle reader had its own JSON parser, which took the last of two equal keys, so a
+    bundle could read one way here and another way to a first-key reader. Now it is the one strict
+    parser (``kvgraft.schemas.parse_json``), which refuses duplicate keys, for bundles and roots."""
+    raw = (vectors / "bundle_v3.txt.sigstore").read_bytes()
+    assert raw.startswith(b"{")
+    # The bundle's own mediaType comes second and would win under the old last-key-wins reading.
+    doubled = tmp_path / "bundle.json"
+    doubled.write_bytes(b'{"mediaType": "application/x-not-a-bundle", ' + raw[1:])
+    with pytest.raises(MalformedInputError, match=r"^bundle .*bundle\.json: duplicate key 'mediaType' in JSON object"):
+        _verify_v3(vectors, doubled)
+
+    root = root_of(vectors, True).read_bytes()
+    doubled_root = tmp_path / "root.json"
+    doubled_root.write_bytes(b'{"tlogs": [], ' + root.lstrip()[1:])
+    with pytest.raises(MalformedInputError, match=r"^trusted root .*root\.json: duplicate key 'tlogs' in JSON object"):
+        verify_bundle(
+            vectors / "bundle_v3.txt.sigstore",
+            vectors / "bundle_v3.txt",
+            CertificateIdentity("william@yossarian.net", GITHUB_OAUTH),
+            trusted_root=doubled_root,
+        )
+
+
 
 @pytest.mark.parametrize(
     ("mutate", "message"),

@@ -371,6 +371,32 @@ def test_key_algorithms(tmp_path: Path, key_factory: Callable[[], PrivateKey], h
         case.verify(policy=ManagedKey(pem_of(ec.generate_private_key(ec.SECP256R1()))))
 
 
+def test_key_bundle_base64_regression_mixed_alphabets_were_accepted(tmp_path: Path) -> None:
+    """Was: the bundle reader had its own base64 decoder, which read a field mixing the standard
+    and URL-safe alphabets as if it were one, so a managed-key bundle (which sigstore-python never
+    parses) verified with such a field, while ``kvgraft.schemas.decode_base64``, the rule for every
+    other base64 field kvgraft reads, refuses it. Now the bundle reader uses that one rule."""
+    for _ in range(100):
+        # ECDSA signatures are random: find one with two of the characters the alphabets differ in.
+        case = make_key_bundle(tmp_path)
+        signature = case.document["messageSignature"]["signature"]
+        specials = [i for i, c in enumerate(signature) if c in "+/"]
+        if len(specials) >= 2:
+            break
+    else:
+        pytest.fail("no signature with two '+' or '/' characters in 100 tries")
+    i = specials[0]
+    mixed = signature[:i] + {"+": "-", "/": "_"}[signature[i]] + signature[i + 1 :]
+    # Either alphabet alone is read: the whole field in the URL-safe alphabet still verifies.
+    url_safe = signature.replace("+", "-").replace("/", "_")
+    case.verify(bundle=case.rewrite(set_at(["messageSignature", "signature"], url_safe)))
+    with pytest.raises(
+        MalformedInputError,
+        match=r"^bundle field messageSignature\.signature mixes the standard and URL-safe base64 alphabets",
+    ):
+        case.verify(bundle=case.rewrite(set_at(["messageSignature", "signature"], mixed)))
+
+
 def test_key_message_without_digest_field(tmp_path: Path) -> None:
     case = make_key_bundle(
         tmp_path, key=ec.generate_private_key(ec.SECP384R1()), hash_=hashes.SHA384(), message_digest=False

@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvgraft.verifier._internal import bundles
+from kvgraft.verifier._internal.bundle_certs import SigstoreVerifier
 from kvgraft.verifier._internal.bundles import (
     CertificateIdentity,
     ManagedKey,
@@ -353,7 +353,7 @@ def test_tsa_validity_end_is_inclusive(vectors: Path, tmp_path: Path) -> None:
         authority["validFor"]["end"] = end.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         root["timestampAuthorities"] = [authority]
         trusted = TrustedRoot.from_file(str(write(tmp_path / "root.json", root)))
-        verifier = bundles._SigstoreVerifier(trusted_root=trusted)
+        verifier = SigstoreVerifier(trusted_root=trusted)
         return verifier._verify_signed_timestamp(response, bundle.signature) is not None
 
     assert verified_with_end(gen_time)

@@ -30,15 +30,15 @@ from .files import read_input
 from .keys import TrustedKeys, load_public_key, require_ed25519
 from .subjects import verify_subjects
 from .tlog import Checkpoint, hash_leaf, verify_checkpoint, verify_inclusion
-from .tlog_cli import _INCLUSION_KEYS, _about, _proof_object, _read_checkpoint, _unverified_origin
+from .tlog_cli import INCLUSION_KEYS, about_file, proof_object, read_checkpoint, unverified_origin
 
 
 def load_checkpoint(checkpoint: Path, registry_key: Path) -> Checkpoint:
     """Read and verify a registry's signed checkpoint (signed under its own origin)."""
     key = require_ed25519(load_public_key(registry_key), f"the registry key {registry_key}")
-    note = _read_checkpoint(checkpoint, "checkpoint")
-    with _about("checkpoint", checkpoint):
-        return verify_checkpoint(note, _unverified_origin(note), key)
+    note = read_checkpoint(checkpoint, "checkpoint")
+    with about_file("checkpoint", checkpoint):
+        return verify_checkpoint(note, unverified_origin(note), key)
 
 
 def verify_log_proof(entry: bytes, proof_path: Path, checkpoint: Checkpoint, *, what: str) -> int:
@@ -52,7 +52,7 @@ def verify_log_proof(entry: bytes, proof_path: Path, checkpoint: Checkpoint, *, 
             f"{what} has no inclusion proof ({proof_path} is missing)",
             hint="fetch the entry's inclusion proof for this checkpoint from the registry",
         )
-    proof = _proof_object(proof_path, "inclusion", _INCLUSION_KEYS)
+    proof = proof_object(proof_path, "inclusion", INCLUSION_KEYS)
     if proof["tree_size"] != checkpoint.size:
         raise LogProofError(
             f"the inclusion proof of {what} is for a tree of size {proof['tree_size']}, "

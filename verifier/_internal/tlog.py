@@ -30,11 +30,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from .errors import LogProofError, MalformedInputError
-from .keys import SigningKey, require_ed25519
+from .keys import SigningKey, raw_public_key, require_ed25519
 
 #: Size in bytes of every hash in the tree (SHA-256).
 HASH_SIZE = 32
@@ -409,11 +408,9 @@ def verify_consistency(old_size: int, new_size: int, old_root: bytes, new_root: 
 # --- signed notes (c2sp.org/signed-note) ----------------------------------------------------
 
 
-def _raw_public_key(public_key: Ed25519PublicKey) -> bytes:
-    return public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-
-
-def _check_key_name(name: object, what: str = "key name") -> str:
+def check_key_name(name: object, what: str = "key name") -> str:
+    """``name`` when it is a valid signed-note key name (non-empty, no space, ``+`` or control
+    character), else a ``MalformedInputError`` naming it as ``what``."""
     if not isinstance(name, str) or not name:
         raise MalformedInputError(f"a note {what} must be a non-empty string, got {name!r}")
     bad = next((ch for ch in name if ch.isspace() or ch == "+" or ord(ch) < 0x20), None)
@@ -427,14 +424,14 @@ def _check_key_name(name: object, what: str = "key name") -> str:
 
 def note_key_id(name: str, public_key: Ed25519PublicKey) -> bytes:
     """The 4-byte key ID: SHA-256(name || "\\n" || 0x01 || 32-byte Ed25519 public key)[:4]."""
-    _check_key_name(name)
-    material = bytes([ED25519_SIGNATURE_TYPE]) + _raw_public_key(public_key)
+    check_key_name(name)
+    material = bytes([ED25519_SIGNATURE_TYPE]) + raw_public_key(public_key)
     return hashlib.sha256(name.encode("utf-8") + b"\n" + material).digest()[:4]
 
 
 def format_vkey(name: str, public_key: Ed25519PublicKey) -> str:
     """The verifier key string ``<name>+<hex key ID>+<base64(0x01 || public key)>``."""
-    material = bytes([ED25519_SIGNATURE_TYPE]) + _raw_public_key(public_key)
+    material = bytes([ED25519_SIGNATURE_TYPE]) + raw_public_key(public_key)
     return f"{name}+{note_key_id(name, public_key).hex()}+{base64.b64encode(material).decode('ascii')}"
 
 
@@ -451,10 +448,10 @@ def parse_vkey(vkey: str) -> tuple[str, Ed25519PublicKey]:
     if len(parts) != 3:
         raise MalformedInputError("a verifier key has the form <name>+<8 hex digits>+<base64 key>")
     name, key_id, encoded = parts
-    _check_key_name(name)
+    check_key_name(name)
     if not _KEY_ID_HEX.fullmatch(key_id):
         raise MalformedInputError(f"verifier key {name!r}: key ID {key_id!r} is not 8 lowercase hex digits")
-    material = _strict_b64decode(encoded, f"verifier key {name!r}")
+    material = strict_b64decode(encoded, f"verifier key {name!r}")
     if len(material) != 33 or material[0] != ED25519_SIGNATURE_TYPE:
         raise MalformedInputError(
             f"verifier key {name!r} is not an Ed25519 key (type 0x01 and 32 bytes)",
@@ -466,7 +463,8 @@ def parse_vkey(vkey: str) -> tuple[str, Ed25519PublicKey]:
     return name, public_key
 
 
-def _strict_b64decode(text: str, what: str) -> bytes:
+def strict_b64decode(text: str, what: str) -> bytes:
+    """Standard padded base64 only, as signed notes and verifier keys are written (c2sp.org/signed-note)."""
     if not _BASE64.fullmatch(text):
         raise MalformedInputError(f"{what} is not standard padded base64")
     try:
@@ -542,8 +540,8 @@ def parse_signed_note(note: bytes) -> SignedNote:
             raise MalformedInputError(
                 f"signature line {n} of the note is not '{_EM_DASH} <key name> <base64 signature>': {line[:80]!r}"
             )
-        name = _check_key_name(fields[0], what="signature name")
-        blob = _strict_b64decode(fields[1], f"the signature by {name!r}")
+        name = check_key_name(fields[0], what="signature name")
+        blob = strict_b64decode(fields[1], f"the signature by {name!r}")
         if len(blob) < 5:
             raise MalformedInputError(f"the signature by {name!r} is {len(blob)} bytes; it needs a 4-byte key ID and more")
         signatures.append(NoteSignature(name=name, key_id=blob[:4], signature=blob[4:]))
@@ -566,7 +564,7 @@ def open_note(note: bytes, name: str, public_key: Ed25519PublicKey) -> bytes:
     as the spec requires; every signature by this name and key ID must verify.
     """
     parsed = parse_signed_note(note)
-    key_id = note_key_id(_check_key_name(name), public_key)
+    key_id = note_key_id(check_key_name(name), public_key)
     mine = [s for s in parsed.signatures if s.name == name and s.key_id == key_id]
     if not mine:
         present = ", ".join(f"{s.name}+{s.key_id.hex()}" for s in parsed.signatures)
@@ -643,7 +641,7 @@ def parse_checkpoint(text: bytes) -> Checkpoint:
     size = int(size_line)
     if size > MAX_TREE_SIZE:
         raise MalformedInputError(f"the checkpoint's tree size {size} is larger than 2^64-1")
-    root = _strict_b64decode(root_line, "the checkpoint's root hash")
+    root = strict_b64decode(root_line, "the checkpoint's root hash")
     if len(root) != HASH_SIZE:
         raise MalformedInputError(f"the checkpoint's root hash is {len(root)} bytes, not {HASH_SIZE}")
     if base64.b64encode(root).decode("ascii") != root_line:

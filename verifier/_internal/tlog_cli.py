@@ -67,7 +67,7 @@ _MAX_PROOF_HASHES = 128
 _HEX_HASH = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _CHUNK = 1 << 20
 
-_INCLUSION_KEYS = ("log_index", "tree_size", "hashes")
+INCLUSION_KEYS = ("log_index", "tree_size", "hashes")
 _CONSISTENCY_KEYS = ("old_size", "new_size", "hashes")
 
 
@@ -100,7 +100,9 @@ def _entry_leaf_hash(path: Path) -> bytes:
     return h.digest()
 
 
-def _proof_object(path: Path, kind: str, keys: tuple[str, ...]) -> dict[str, Any]:
+def proof_object(path: Path, kind: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The JSON proof file at ``path``: an object with exactly ``keys`` (``INCLUSION_KEYS`` or the
+    consistency proof's), or a one-line ``MalformedInputError``."""
     what = f"{kind} proof"
     try:
         doc = parse_json(read_input(path, what, limit=_MAX_PROOF_FILE), what=f"{what} {path}")
@@ -108,7 +110,7 @@ def _proof_object(path: Path, kind: str, keys: tuple[str, ...]) -> dict[str, Any
         raise MalformedInputError(str(e)) from e
     if not isinstance(doc, dict):
         raise MalformedInputError(f"{what} {path} must be a JSON object, got {type(doc).__name__}")
-    other = _CONSISTENCY_KEYS if keys == _INCLUSION_KEYS else _INCLUSION_KEYS
+    other = _CONSISTENCY_KEYS if keys == INCLUSION_KEYS else INCLUSION_KEYS
     if set(doc) == set(other):
         other_kind = "consistency" if kind == "inclusion" else "inclusion"
         raise MalformedInputError(
@@ -140,12 +142,14 @@ def _proof_object(path: Path, kind: str, keys: tuple[str, ...]) -> dict[str, Any
     return {**doc, "hashes": decoded}
 
 
-def _read_checkpoint(path: Path, what: str) -> bytes:
+def read_checkpoint(path: Path, what: str) -> bytes:
+    """A checkpoint note file's bytes, at most ``MAX_NOTE_BYTES``."""
     return read_input(path, what, limit=MAX_NOTE_BYTES)
 
 
 @contextlib.contextmanager
-def _about(what: str, path: Path) -> Iterator[None]:
+def about_file(what: str, path: Path) -> Iterator[None]:
+    """Re-raise a ``VerificationError`` in the block with the file it is about named."""
     # Name the file in the one-line error: with two checkpoints, "the note" alone is ambiguous.
     try:
         yield
@@ -153,7 +157,8 @@ def _about(what: str, path: Path) -> Iterator[None]:
         raise type(e)(f"{what} {path}: {e.message}", hint=e.hint) from e
 
 
-def _unverified_origin(note: bytes) -> str:
+def unverified_origin(note: bytes) -> str:
+    """The origin line of a checkpoint note, read before any signature is checked."""
     # Only picks the key name to look for; the signature by the pinned key decides whether the
     # checkpoint (origin line included) is genuine.
     return parse_checkpoint(parse_signed_note(note).text).origin
@@ -179,9 +184,9 @@ def verify_log_command(
     ``MalformedInputError`` when a file is unreadable or malformed.
     """
     key = require_ed25519(load_public_key(registry_key), f"the registry key {registry_key}")
-    note = _read_checkpoint(checkpoint, "checkpoint")
-    with _about("checkpoint", checkpoint):
-        name = origin if origin is not None else _unverified_origin(note)
+    note = read_checkpoint(checkpoint, "checkpoint")
+    with about_file("checkpoint", checkpoint):
+        name = origin if origin is not None else unverified_origin(note)
         head = verify_checkpoint(note, name, key, origin=origin)
     result: dict[str, Any] = {
         "verified": "log",
@@ -193,7 +198,7 @@ def verify_log_command(
     done = [f"checkpoint of {head.origin} at size {head.size} (root {head.root_hash.hex()[:16]}) is signed"]
     if witness_policy is not None:
         policy = load_witness_policy(witness_policy)
-        with _about("checkpoint", checkpoint):
+        with about_file("checkpoint", checkpoint):
             witnessed = verify_witnessed(note, name, key, policy)
         result["checks"].append("witnesses")
         result["witnesses"] = {
@@ -204,7 +209,7 @@ def verify_log_command(
 
     if inclusion is not None:
         proof_path, entry_path = inclusion
-        proof = _proof_object(proof_path, "inclusion", _INCLUSION_KEYS)
+        proof = proof_object(proof_path, "inclusion", INCLUSION_KEYS)
         leaf = _entry_leaf_hash(entry_path)
         if proof["tree_size"] != head.size:
             raise LogProofError(
@@ -219,7 +224,7 @@ def verify_log_command(
 
     if consistency is not None:
         proof_path, old_path = consistency
-        proof = _proof_object(proof_path, "consistency", _CONSISTENCY_KEYS)
+        proof = proof_object(proof_path, "consistency", _CONSISTENCY_KEYS)
         old = _verify_old_checkpoint(old_path, name, key, head)
         if (proof["old_size"], proof["new_size"]) != (old.size, head.size):
             raise LogProofError(
@@ -237,8 +242,8 @@ def verify_log_command(
 
 
 def _verify_old_checkpoint(path: Path, name: str, key: Ed25519PublicKey, head: Checkpoint) -> Checkpoint:
-    note = _read_checkpoint(path, "old checkpoint")
-    with _about("old checkpoint", path):
+    note = read_checkpoint(path, "old checkpoint")
+    with about_file("old checkpoint", path):
         old = verify_checkpoint(note, name, key, origin=head.origin)
     if old.size > head.size:
         raise LogProofError(

@@ -72,17 +72,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from .errors import CosignatureError, LogProofError, MalformedInputError, WitnessPolicyError, WitnessQuorumError
 from .files import read_input
-from .keys import SigningKey, require_ed25519
+from .keys import SigningKey, raw_public_key, require_ed25519
 from .tlog import (
     Checkpoint,
     NoteSignature,
-    _check_key_name,
-    _raw_public_key,
-    _strict_b64decode,
+    check_key_name,
     note_key_id,
     parse_checkpoint,
     parse_signed_note,
     parse_vkey,
+    strict_b64decode,
     verify_checkpoint,
 )
 
@@ -123,8 +122,8 @@ _Fail = Callable[[int, str, str], WitnessPolicyError]
 
 def witness_key_id(name: str, public_key: Ed25519PublicKey) -> bytes:
     """The 4-byte cosignature key ID: ``SHA-256(name || "\\n" || 0x04 || 32-byte public key)[:4]``."""
-    _check_key_name(name, what="witness name")
-    material = bytes([COSIGNATURE_TYPE]) + _raw_public_key(public_key)
+    check_key_name(name, what="witness name")
+    material = bytes([COSIGNATURE_TYPE]) + raw_public_key(public_key)
     return hashlib.sha256(name.encode("utf-8") + b"\n" + material).digest()[:4]
 
 
@@ -136,7 +135,7 @@ class WitnessKey:
     public_key: Ed25519PublicKey
 
     def __post_init__(self) -> None:
-        _check_key_name(self.name, what="witness name")
+        check_key_name(self.name, what="witness name")
 
     @property
     def key_id(self) -> bytes:
@@ -146,7 +145,7 @@ class WitnessKey:
     @property
     def vkey(self) -> str:
         """``<name>+<hex key ID>+base64(0x04 || public key)``."""
-        material = bytes([COSIGNATURE_TYPE]) + _raw_public_key(self.public_key)
+        material = bytes([COSIGNATURE_TYPE]) + raw_public_key(self.public_key)
         return f"{self.name}+{self.key_id.hex()}+{base64.b64encode(material).decode('ascii')}"
 
     def policy_line(self, url: str) -> str:
@@ -160,7 +159,7 @@ class WitnessKey:
 
     def same_key(self, other: WitnessKey) -> bool:
         """True when both wrap the same public key (whatever their names)."""
-        return _raw_public_key(self.public_key) == _raw_public_key(other.public_key)
+        return raw_public_key(self.public_key) == raw_public_key(other.public_key)
 
 
 def format_witness_vkey(name: str, public_key: Ed25519PublicKey) -> str:
@@ -189,10 +188,10 @@ def parse_witness_vkey(vkey: str, *, note_key_ok: bool = False) -> WitnessKey:
             hint="pass the witness vkey 'kvgraft witness key' prints",
         )
     name, key_id, encoded = parts
-    _check_key_name(name, what="witness name")
+    check_key_name(name, what="witness name")
     if not _KEY_ID_HEX.fullmatch(key_id):
         raise MalformedInputError(f"witness key {name!r}: key ID {key_id!r} is not 8 lowercase hex digits")
-    material = _strict_b64decode(encoded, f"witness key {name!r}")
+    material = strict_b64decode(encoded, f"witness key {name!r}")
     if len(material) == 33 and material[0] == _NOTE_ED25519_TYPE and not note_key_ok:
         raise MalformedInputError(
             f"witness key {name!r} is a note signing key (type 0x01, a log's key), not a cosignature key (type 0x04)",
@@ -418,9 +417,9 @@ def parse_witness_policy(data: bytes, *, source: str = "the witness policy") -> 
                 origin, log_key = parse_vkey(items[0])
             except MalformedInputError as e:
                 raise fail(lineno, e.message, "use the log's note vkey, e.g. the vkey of GET /v1/log/key") from e
-            if any(_raw_public_key(log_key) == _raw_public_key(k) for _, k in logs):
+            if any(raw_public_key(log_key) == raw_public_key(k) for _, k in logs):
                 raise fail(lineno, f"log {origin!r} repeats a log key listed above", "list each log once")
-            if any(_raw_public_key(log_key) == _raw_public_key(w.public_key) for w in witnesses.values()):
+            if any(raw_public_key(log_key) == raw_public_key(w.public_key) for w in witnesses.values()):
                 raise fail(lineno, f"log {origin!r} has the key of a witness listed above", "a log does not witness itself: "
                            "list the log's own vkey")
             if len(logs) == MAX_POLICY_LOGS:
@@ -447,7 +446,7 @@ def parse_witness_policy(data: bytes, *, source: str = "the witness policy") -> 
                 if other != key.name:
                     raise fail(lineno, f"witness {name!r} has the URL of witness key {other!r}, another key name",
                                "give each witness its own URL")
-            if any(_raw_public_key(key.public_key) == _raw_public_key(k) for _, k in logs):
+            if any(raw_public_key(key.public_key) == raw_public_key(k) for _, k in logs):
                 raise fail(lineno, f"witness {name!r} has the key of a log listed above", "a log does not witness itself: "
                            "use the witness's own vkey")
             twin = next((n for n, w in witnesses.items() if w.same_key(key)), None)
@@ -573,7 +572,7 @@ def verify_witnessed(
     """
     checkpoint = verify_checkpoint(note, log_name, log_key)
     if policy.logs and not any(
-        name == log_name and _raw_public_key(key) == _raw_public_key(log_key) for name, key in policy.logs
+        name == log_name and raw_public_key(key) == raw_public_key(log_key) for name, key in policy.logs
     ):
         listed = ", ".join(f"{n}+{note_key_id(n, k).hex()}" for n, k in policy.logs)
         raise LogProofError(
