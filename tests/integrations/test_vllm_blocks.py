@@ -6,6 +6,8 @@ is made to fail once, on a block written by ``write_block``, and the settings' e
 
 from __future__ import annotations
 
+import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,16 +22,19 @@ from kvgraft.integrations.vllm import (
     ChainMismatchError,
     ConnectorConfigError,
     ConnectorSettings,
+    Handoff,
+    PrefixDigests,
     VllmBinding,
     binding_digest,
     block_dir,
     chain_keys,
     decode_block,
     encode_block,
+    open_handed,
     read_verified_block,
     write_block,
 )
-from kvgraft.schemas import DirectoryExistsError, sha256_bytes
+from kvgraft.schemas import DirectoryExistsError, sha256_bytes, token_digest
 from kvgraft.verifier import (
     SigningKey,
     TrustedKeys,
@@ -175,3 +180,74 @@ def test_settings_refuse_unknown_keys_and_name_the_fix(monkeypatch: pytest.Monke
     assert ConnectorSettings.from_extra({"store": "/tmp/s"}).trusted_keys_path() == Path("/etc/t.json")
     with pytest.raises(ConnectorConfigError, match="registry as the connector's store is not supported yet.*one shared store directory"):
         ConnectorSettings.from_extra({"store": "s", "registry": "http://127.0.0.1:1", "registry_key": "r.pem", "token": "t"})
+
+
+def test_prefix_digests_equal_token_digest_of_each_prefix() -> None:
+    prompt = [0, 7, 12345, 2**31, 49151, *range(100, 160)]
+    prefix = PrefixDigests()
+    got = [prefix.extend(prompt[i:i + 4]) for i in range(0, 64, 4)]
+    assert got == [token_digest(prompt[:i + 4]) for i in range(0, 64, 4)]
+    binding = _binding()
+    # A claim built from the running digests is the claim built from the whole prefix.
+    running, parent = PrefixDigests(), None
+    for i in range(3):
+        claim = BlockClaim.of(binding, binding_digest(binding), PROMPT, i, parent, running)
+        assert claim == BlockClaim.of(binding, binding_digest(binding), PROMPT, i, parent)
+        parent = claim.key
+    with pytest.raises(ValueError, match="the prefix digests hold 12 ids, block 1 starts at 4"):
+        BlockClaim.of(binding, binding_digest(binding), PROMPT, 1, parent, running)
+
+
+def test_handoff_gives_the_worker_the_verified_bytes_and_cleans_up(tmp_path: Path, signer: SigningKey, trusted: TrustedKeys) -> None:
+    claims = _claims(_binding())
+    tensors = _tensors()
+    write_block(tmp_path / "store", claims[0], encode_block(tensors), signer)
+    handoff = Handoff(root=tmp_path)
+    slot = handoff.slot()
+    name = slot.take(read_verified_block(tmp_path / "store", claims[0], trusted, slot.allocate))
+    assert Path(name).parent == handoff.directory and oct(Path(name).stat().st_mode & 0o777) == "0o600"
+    assert oct(handoff.directory.stat().st_mode & 0o777) == "0o700"
+    mapped = open_handed(name)
+    assert not Path(name).exists()  # the worker deletes the name as soon as it has mapped the file
+    assert {k: v.tolist() for k, v in decode_block(mapped).items()} == {k: v.tolist() for k, v in tensors.items()}
+    # A block that does not verify leaves no file behind.
+    (block_dir(tmp_path / "store", claims[0].key) / "kv.safetensors").write_bytes(b"\0" * 64)
+    slot = handoff.slot()
+    with pytest.raises(BlockFileError, match="has digest"):
+        read_verified_block(tmp_path / "store", claims[0], trusted, slot.allocate)
+    assert [p.name for p in handoff.directory.iterdir()] == [slot.path.name]
+    slot.discard()
+    assert list(handoff.directory.iterdir()) == []
+    handoff.close()
+    assert not handoff.directory.exists()
+
+
+def test_overlapping_tensors_are_refused_regression_own_safetensors_reader(tmp_path: Path) -> None:
+    # The checks read the safetensors header themselves (views, no copy): a header whose tensors
+    # overlap, leave a gap or claim more bytes than the file holds is refused as safetensors' own reader would.
+    good = encode_block(_tensors())
+    header_len = int.from_bytes(good[:8], "little")
+    header = good[8:8 + header_len]
+    second = header.index(b'"data_offsets":[512,1024]')
+    overlapping = good[:8 + second] + b'"data_offsets":[256,768] ' + good[8 + second + 25:]
+    with pytest.raises(BlockFileError, match="starts at byte 256, not 512: the tensors must tile the data"):
+        decode_block(overlapping)
+    with pytest.raises(BlockFileError, match="the tensors cover 1024 bytes of a 1028-byte data region"):
+        decode_block(good + b"\0" * 4)
+    with pytest.raises(BlockFileError, match="a 1000000000-byte header"):
+        decode_block((10**9).to_bytes(8, "little") + good[8:])
+
+
+def test_directory_of_a_gone_engine_is_removed_regression_handoff_leak(tmp_path: Path) -> None:
+    # vLLM ends its engine process with a signal, so the connector's handoff directory outlived it.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"kvgraft-vllm-{dead.pid}-abcd1234"
+    stale.mkdir()
+    (stale / "000000000001.kv").write_bytes(b"x")
+    alive = tmp_path / f"kvgraft-vllm-{os.getpid()}-efgh5678"
+    alive.mkdir()
+    handoff = Handoff(root=tmp_path)
+    assert not stale.exists()
+    assert alive.is_dir() and handoff.directory.is_dir()
+    handoff.close()

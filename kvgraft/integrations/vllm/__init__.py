@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ._internal.binding import config_digest, tokenizer_digest, weights_digest
 from ._internal.blocks import (
     BlockClaim,
+    PrefixDigests,
     block_dir,
     decode_block,
     encode_block,
@@ -36,6 +37,7 @@ from ._internal.errors import (
     ExactnessRunError,
 )
 from ._internal.exactness import MAKE_VLLM_HINT, VLLM_PYTHON_ENV, ExactnessOptions, run_in_vllm, vllm_python
+from ._internal.handoff import Handoff, open_handed
 from ._internal.predicate import (
     KV_LAYOUT,
     VLLM_BLOCK_PREDICATE,
@@ -54,9 +56,9 @@ if TYPE_CHECKING:
 __all__ = [
     "KV_LAYOUT", "MAKE_VLLM_HINT", "TRUSTED_KEYS_ENV", "VLLM_BLOCK_PREDICATE", "VLLM_PYTHON_ENV", "BindingMismatchError",
     "BlockClaim", "BlockFileError", "BlockRefusedError", "ChainMismatchError", "ConnectorConfigError", "ConnectorError",
-    "ConnectorSettings", "ExactnessOptions", "ExactnessRunError", "KvgraftConnector", "VllmBinding", "VllmBlockPredicate",
+    "ConnectorSettings", "ExactnessOptions", "ExactnessRunError", "Handoff", "KvgraftConnector", "PrefixDigests", "VllmBinding", "VllmBlockPredicate",
     "VllmBlockStatement", "binding_digest", "block_chain_key", "block_dir", "chain_keys", "config_digest", "decode_block",
-    "encode_block", "loadable_blocks", "read_verified_block", "run_in_vllm", "sign_block", "tokenizer_digest",
+    "encode_block", "loadable_blocks", "open_handed", "read_verified_block", "run_in_vllm", "sign_block", "tokenizer_digest",
     "vllm_python", "weights_digest", "write_block",
 ]
 

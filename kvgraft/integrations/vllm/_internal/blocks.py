@@ -18,16 +18,20 @@ returned are the bytes hashed, so what is loaded is what was verified.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
+import math
+import mmap
+import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
+import numpy as np
 import torch
 from pydantic import ValidationError
-from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 import kvgraft
@@ -63,8 +67,22 @@ from .predicate import (
 )
 
 FORMAT: Final = "kvgraft-vllm-kv-block/v1"
+#: Memory a block file is read into and checked in.
+WritableBuffer = bytearray | mmap.mmap
+#: Memory block tensors are viewed in.
+Buffer = bytes | bytearray | mmap.mmap
 #: Room for the safetensors header (names, shapes, offsets) beyond the tensors' own bytes.
 _HEADER_SLACK: Final = 1 << 20
+
+#: Bytes read (and hashed) at a time: small enough to stay in cache between the read and the hash.
+_READ_CHUNK: Final = 256 * 1024
+#: safetensors' dtype names, for the dtypes a KV cache can have.
+_SAFETENSORS_DTYPES: Final[dict[str, torch.dtype]] = {
+    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8,
+}
+#: Dtypes whose finiteness numpy checks (bfloat16 and float8 go to torch).
+_NUMPY_FLOATS: Final[dict[torch.dtype, type[np.floating[Any]]]] = {torch.float32: np.float32, torch.float16: np.float16}
 
 _DTYPES: Final[dict[str, torch.dtype]] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -88,6 +106,35 @@ def max_file_bytes(binding: VllmBinding) -> int:
     return len(binding.layers) * block_elements(binding) * item + _HEADER_SLACK
 
 
+class PrefixDigests:
+    """``token_digest`` of a prompt's growing prefixes, block after block, in one pass over the ids.
+
+    ``token_digest(prompt[:end])`` for every block would hash the prompt again per block
+    (quadratic: 249 blocks of an 8K prompt hash a million ids); this keeps the hash of
+    ``canonical_json(prefix)`` without its closing bracket and adds each block's ids. Token ids are
+    integers within I-JSON's exact range, whose canonical JSON is their digits joined by commas.
+    """
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256(b"[")
+        self._count = 0
+
+    @property
+    def count(self) -> int:
+        """How many ids the prefix holds."""
+        return self._count
+
+    def extend(self, ids: Sequence[int]) -> Sha256Digest:
+        """Add ``ids`` to the prefix; the digest of the whole prefix so far."""
+        if ids:
+            text = ",".join(str(int(i)) for i in ids)
+            self._hash.update(((("," if self._count else "") + text)).encode("ascii"))
+            self._count += len(ids)
+        closed = self._hash.copy()
+        closed.update(b"]")
+        return Sha256Digest("sha256:" + closed.hexdigest())
+
+
 @dataclass(frozen=True)
 class BlockClaim:
     """What a block is asked to be: its place in a request's chain, under one binding."""
@@ -102,14 +149,23 @@ class BlockClaim:
 
     @classmethod
     def of(cls, binding: VllmBinding, digest: Sha256Digest, prompt: Sequence[int], index: int,
-           parent: Sha256Digest | None) -> BlockClaim:
-        """Block ``index`` of ``prompt`` whose previous block has chain key ``parent``."""
+           parent: Sha256Digest | None, prefix: PrefixDigests | None = None) -> BlockClaim:
+        """Block ``index`` of ``prompt`` whose previous block has chain key ``parent``.
+
+        ``prefix``: the digests of the prompt's blocks before this one (``PrefixDigests`` holding
+        exactly ``index`` blocks), extended by this block; without it the prefix is hashed whole.
+        """
         size = binding.block_size
         ids = tuple(int(i) for i in prompt[index * size:(index + 1) * size])
         if len(ids) != size:
             raise ValueError(f"block {index} of a {len(prompt)}-token prompt is not full")
-        return cls(binding, digest, index, ids, parent, block_chain_key(parent, digest, ids),
-                   token_digest([int(i) for i in prompt[:(index + 1) * size]]))
+        if prefix is None:
+            prefix_digest = token_digest([int(i) for i in prompt[:(index + 1) * size]])
+        elif prefix.count != index * size:
+            raise ValueError(f"the prefix digests hold {prefix.count} ids, block {index} starts at {index * size}")
+        else:
+            prefix_digest = prefix.extend(ids)
+        return cls(binding, digest, index, ids, parent, block_chain_key(parent, digest, ids), prefix_digest)
 
 
 def loadable_blocks(prompt_tokens: int, block_size: int) -> int:
@@ -136,9 +192,9 @@ def encode_block(tensors: dict[str, torch.Tensor]) -> bytes:
     return save_safetensors({name: t.contiguous() for name, t in sorted(tensors.items())}, metadata={"format": FORMAT})
 
 
-def decode_block(data: bytes) -> dict[str, torch.Tensor]:
-    """The tensors of verified ``kv.safetensors`` bytes."""
-    return load_safetensors(data)
+def decode_block(data: Buffer) -> dict[str, torch.Tensor]:
+    """The tensors of verified ``kv.safetensors`` bytes: views of ``data``, no copy (``block_views``)."""
+    return block_views(data)
 
 
 def sign_block(claim: BlockClaim, kv: bytes, signer: SigningKey) -> dict[str, bytes]:
@@ -202,44 +258,120 @@ def _check_predicate(predicate: VllmBlockPredicate, claim: BlockClaim) -> None:
                                  f"({recomputed}); looked up as {claim.key}")
 
 
-def _read_bounded(path: Path, limit: int) -> bytes:
+def _read_hashed(path: Path, limit: int, allocate: Callable[[int], WritableBuffer]) -> tuple[WritableBuffer, Sha256Digest]:
+    """The file's bytes, read into ``allocate(size)``, and their sha256, hashed while read (each
+    chunk while it is in cache: one pass over the bytes, not a read and then a hash); refused past
+    ``limit`` bytes."""
     try:
-        with path.open("rb") as f:
-            data = f.read(limit + 1)
+        with path.open("rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise BlockFileError(f"{path} is larger than the {limit} bytes a block under this binding can be")
+            if size < 8:
+                raise BlockFileError(f"{path} is not a readable safetensors file: {size} bytes")
+            data = allocate(size)
+            view = memoryview(data)
+            h = hashlib.sha256()
+            done = 0
+            while done < size:
+                n = f.readinto(view[done:done + _READ_CHUNK])
+                if not n:
+                    raise BlockFileError(f"{path} shrank while it was read")
+                h.update(view[done:done + n])
+                done += n
+            if f.read(1):
+                raise BlockFileError(f"{path} grew while it was read")
     except FileNotFoundError as e:
         raise BlockFileError(f"{path} is missing") from e
     except OSError as e:
         raise BlockFileError(f"cannot read {path}: {e.strerror}") from e
-    if len(data) > limit:
-        raise BlockFileError(f"{path} is larger than the {limit} bytes a block under this binding can be")
-    return data
+    return data, Sha256Digest("sha256:" + h.hexdigest())
 
 
-def _check_tensors(data: bytes, binding: VllmBinding) -> None:
+def block_views(data: Buffer) -> dict[str, torch.Tensor]:
+    """The tensors of ``kv.safetensors`` bytes as views of ``data`` (no copy), by name.
+
+    The safetensors layout is checked as its own reader would: an 8-byte little-endian header
+    length, a JSON header within the data, ``__metadata__`` naming ``FORMAT``, known dtypes, and
+    ``data_offsets`` that tile the data region exactly in order, each the size its shape and dtype
+    need. ``BlockFileError`` names the first thing wrong.
+    """
+    if len(data) < 8:
+        raise BlockFileError(f"{KV_FILE} is not a readable safetensors file: {len(data)} bytes")
+    (header_len,) = struct.unpack_from("<Q", data, 0)
+    if header_len > min(len(data) - 8, _HEADER_SLACK):
+        raise BlockFileError(f"{KV_FILE} is not a readable safetensors file: a {header_len}-byte header in {len(data)} bytes")
     try:
-        (header_len,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8:8 + header_len])
-        tensors = decode_block(data)
-    except (struct.error, ValueError, RuntimeError) as e:  # safetensors raises SafetensorError (a RuntimeError)
-        raise BlockFileError(f"{KV_FILE} is not a readable safetensors file: {e}") from e
-    if header.get("__metadata__", {}).get("format") != FORMAT:
+        header = json.loads(bytes(data[8:8 + header_len]))
+    except ValueError as e:  # also UnicodeDecodeError
+        raise BlockFileError(f"{KV_FILE} is not a readable safetensors file: its header is not JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise BlockFileError(f"{KV_FILE} is not a readable safetensors file: its header is not an object")
+    metadata = header.pop("__metadata__", None)
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
         raise BlockFileError(f"{KV_FILE} is not a {FORMAT} file")
+    start = 8 + header_len
+    entries = []
+    for name, entry in header.items():
+        try:
+            dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+            shape = [int(d) for d in entry["shape"]]
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise BlockFileError(f"{KV_FILE}: tensor {name!r} has a malformed header entry") from e
+        numel = math.prod(shape)
+        if min(shape, default=0) < 0 or end - begin != numel * torch.empty((), dtype=dtype).element_size():
+            raise BlockFileError(f"{KV_FILE}: tensor {name!r} spans bytes {begin}..{end}, not the size of {entry['dtype']} {shape}")
+        entries.append((begin, end, name, dtype, shape, numel))
+    entries.sort()
+    at = 0
+    for begin, end, name, *_ in entries:
+        if begin != at:
+            raise BlockFileError(f"{KV_FILE}: tensor {name!r} starts at byte {begin}, not {at}: the tensors must tile the data")
+        at = end
+    if start + at != len(data):
+        raise BlockFileError(f"{KV_FILE}: the tensors cover {at} bytes of a {len(data) - start}-byte data region")
+    return {name: (torch.frombuffer(data, dtype=dtype, count=numel, offset=start + begin) if numel
+                   else torch.empty(0, dtype=dtype)).view(shape)
+            for begin, _, name, dtype, shape, numel in entries}
+
+
+def _check_tensors(data: Buffer, binding: VllmBinding) -> None:
+    tensors = block_views(data)
     if sorted(tensors) != binding.layers:
         raise BlockFileError(f"{KV_FILE} holds tensors {sorted(tensors)[:3]}..., not the {len(binding.layers)} bound layers")
     for name, tensor in tensors.items():
         if dtype_name(tensor.dtype) != binding.kv_cache_dtype or tensor.numel() != block_elements(binding):
             raise BlockFileError(f"{KV_FILE}: {name} is {dtype_name(tensor.dtype)} {list(tensor.shape)}, "
                                  f"the binding needs {binding.kv_cache_dtype} with {block_elements(binding)} elements")
-    # One pass over every layer (one call, not one per layer: a block's layers are small tensors);
-    # only when it fails are the layers looked at one by one, to name the first bad one.
-    if next(iter(tensors.values())).is_floating_point() and not bool(torch.isfinite(torch.cat([t.reshape(-1) for t in tensors.values()])).all()):
+    first = next(iter(tensors.values()))
+    if not first.is_floating_point():
+        return
+    # The tensors tile the data region (block_views checked it), so one view covers every layer.
+    # Its sum in float64 is finite exactly when every value is: a NaN or an infinity makes any sum
+    # NaN or infinite, and float32 or float16 values cannot overflow a float64 sum (2**128 times a
+    # million is far below 2**1024). One pass in numpy, single-threaded (torch's reductions start
+    # OpenMP threads that would compete with vLLM's worker for its cores), no temporary, no copy.
+    # Only when it fails are the layers looked at one by one, to name the first bad one.
+    offset = len(data) - sum(t.numel() for t in tensors.values()) * first.element_size()
+    if first.dtype in _NUMPY_FLOATS:
+        region = np.frombuffer(data, dtype=_NUMPY_FLOATS[first.dtype], offset=offset)
+        finite = bool(np.isfinite(np.add.reduce(region, dtype=np.float64)))
+    else:
+        finite = bool(torch.isfinite(torch.frombuffer(data, dtype=first.dtype, offset=offset)).all())
+    if not finite:
         bad = next(name for name in sorted(tensors) if not bool(torch.isfinite(tensors[name]).all()))
         raise BlockFileError(f"{KV_FILE}: {bad} holds values that are not finite")
 
 
-def read_verified_block(store: Path, claim: BlockClaim, trusted: TrustedKeys) -> bytes:
+def read_verified_block(store: Path, claim: BlockClaim, trusted: TrustedKeys,
+                        allocate: Callable[[int], WritableBuffer] = bytearray) -> WritableBuffer:
     """The verified ``kv.safetensors`` bytes of ``claim``'s block, or a ``KvgraftError`` naming why not
-    (module docstring: every check, in order). Raises ``FileNotFoundError`` when no block is stored."""
+    (module docstring: every check, in order). Raises ``FileNotFoundError`` when no block is stored.
+
+    The bytes are read into ``allocate(size)`` (a ``bytearray`` unless the caller hands out other
+    memory, such as the connector's shared-memory files) and hashed while read; the buffer returned
+    holds exactly the bytes hashed and checked."""
     directory = block_dir(store, claim.key)
     envelope_path = directory / STATEMENT_FILE
     if not envelope_path.is_file():
@@ -257,8 +389,7 @@ def read_verified_block(store: Path, claim: BlockClaim, trusted: TrustedKeys) ->
     extra = sorted(p.name for p in directory.iterdir() if p.name not in (KV_FILE, STATEMENT_FILE))
     if extra:
         raise BlockFileError(f"{directory} holds {', '.join(extra)} beside the block's two files")
-    data = _read_bounded(directory / KV_FILE, max_file_bytes(claim.binding))
-    got = sha256_bytes(data)
+    data, got = _read_hashed(directory / KV_FILE, max_file_bytes(claim.binding), allocate)
     if hex_of(got) != typed.subject[0].digest.sha256:
         raise BlockFileError(f"{KV_FILE} has digest {got}, but the signed statement says sha256:{typed.subject[0].digest.sha256}")
     _check_tensors(data, claim.binding)

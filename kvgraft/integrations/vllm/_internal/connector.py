@@ -20,7 +20,9 @@ Scheduler side:
 Worker side:
 
 - ``start_load_kv``: copies each verified block into its paged block of every layer, before the
-  forward pass. The worker receives bytes, never a path: what it loads is what was verified.
+  forward pass. The worker never reads the store: it receives the verified bytes in a private
+  shared-memory file the scheduler read them into while hashing them (``handoff.py``), so what
+  it loads is what was verified.
 - ``wait_for_save``: after the forward pass, copies each block to save out of every layer, signs
   it and writes it into the store atomically (a block another writer stored first is kept).
 
@@ -53,6 +55,7 @@ from kvgraft.verifier import SigningKey, TrustedKeys, load_private_key, load_tru
 from .binding import config_digest, cpu_name, env_setting, tokenizer_digest, weights_digest
 from .blocks import (
     BlockClaim,
+    PrefixDigests,
     block_dir,
     decode_block,
     dtype_name,
@@ -62,6 +65,7 @@ from .blocks import (
     write_block,
 )
 from .errors import ConnectorConfigError, ConnectorError
+from .handoff import Handoff, open_handed
 from .predicate import KV_LAYOUT, VllmBinding, binding_digest
 from .settings import ConnectorSettings
 
@@ -85,10 +89,11 @@ _CPU_ENV: Final = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", 
 
 @dataclass(frozen=True)
 class BlockLoad:
-    """One verified block for the worker: the paged block it goes to, and its verified file bytes."""
+    """One verified block for the worker: the paged block it goes to, and the private shared-memory
+    file holding its verified bytes (``handoff.py``)."""
 
     block_id: int
-    data: bytes
+    handed: str
 
 
 @dataclass(frozen=True)
@@ -111,11 +116,13 @@ class KvgraftConnectorMetadata(KVConnectorMetadata):
 class _RequestState:
     request: Request
     claims: list[BlockClaim] = field(default_factory=list)
+    #: The digests of the prompt's prefixes, as far as ``claims`` go.
+    prefix: PrefixDigests = field(default_factory=PrefixDigests)
     #: Prompt blocks already considered for saving.
     saved: int = 0
-    #: The verified hit of the last lookup: the first block index and each block's bytes.
+    #: The verified hit of the last lookup: the first block index and each block's handoff file.
     hit_start: int = -1
-    hit: list[bytes] = field(default_factory=list)
+    hit: list[str] = field(default_factory=list)
 
 
 def _attention_backend(vllm_config: VllmConfig, head_size: int, dtype: torch.dtype) -> str:
@@ -237,6 +244,7 @@ class KvgraftConnector(KVConnectorBase_V1):
             self._binding_digest = binding_digest(self._binding)
             self._requests: dict[str, _RequestState] = {}
             self._loads: list[BlockLoad] = []
+            self._handoff = Handoff()
             logger.info("kvgraft: connector on %s (binding %s, block size %d, %s); store %s; %s",
                            self._binding.model_name, self._binding_digest, self._block_size, self._binding.attention_backend,
                            self._store, "saving signed blocks" if self._settings.key else "read-only (no key)")
@@ -258,7 +266,7 @@ class KvgraftConnector(KVConnectorBase_V1):
         while len(state.claims) <= index:
             i = len(state.claims)
             parent = state.claims[-1].key if state.claims else None
-            state.claims.append(BlockClaim.of(self._binding, self._binding_digest, prompt, i, parent))
+            state.claims.append(BlockClaim.of(self._binding, self._binding_digest, prompt, i, parent, state.prefix))
         return state.claims[index]
 
     def _log_once(self, key: str, message: str, *args: object) -> None:
@@ -283,25 +291,42 @@ class KvgraftConnector(KVConnectorBase_V1):
         # asks): a request that waits for memory is verified again when it is asked for again.
         for other in self._requests.values():
             if other is not state:
+                self._handoff.discard(other.hit)
                 other.hit, other.hit_start = [], -1
-        hit: list[bytes] = []
+        self._handoff.discard(state.hit)
+        hit: list[str] = []
         for index in range(start, usable):
             claim = self._claim(state, index)
-            try:
-                hit.append(read_verified_block(self._store, claim, self._trusted))
-            except FileNotFoundError:
+            outcome = self._verify(claim)
+            if outcome is None:
                 break
-            except KvgraftError as e:
+            if isinstance(outcome, KvgraftError):
                 # A miss: vLLM computes this block and every one after it (their chain keys depend on it).
-                self._log_once(f"refused {claim.key} {type(e).__name__}",
+                self._log_once(f"refused {claim.key} {type(outcome).__name__}",
                                "kvgraft: refused block %d of request %s (chain key %s): %s: %s; it is recomputed, "
-                               "not loaded", index, request.request_id, claim.key, type(e).__name__, e.message)
+                               "not loaded", index, request.request_id, claim.key, type(outcome).__name__, outcome.message)
                 break
+            hit.append(outcome)
         state.hit_start, state.hit = start, hit
         if hit:
             logger.info("kvgraft: request %s: %d verified blocks from position %d", request.request_id, len(hit),
                         start * self._block_size)
         return len(hit) * self._block_size, False
+
+    def _verify(self, claim: BlockClaim) -> str | KvgraftError | None:
+        """The handoff file of the verified block, the reason it was refused, or None when it is gone."""
+        slot = self._handoff.slot()
+        try:
+            return slot.take(read_verified_block(self._store, claim, self._trusted, slot.allocate))
+        except FileNotFoundError:
+            slot.discard()
+            return None
+        except KvgraftError as e:
+            slot.discard()
+            return e
+        except BaseException:
+            slot.discard()
+            raise
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Hand the verified bytes of the accepted hit to the blocks vLLM allocated for them."""
@@ -311,6 +336,7 @@ class KvgraftConnector(KVConnectorBase_V1):
         hit, start = state.hit, state.hit_start
         state.hit, state.hit_start = [], -1
         count = num_external_tokens // self._block_size
+        self._handoff.discard(hit[max(count, 0):])  # verified, but not taken by vLLM
         if count <= 0 or start < 0:
             return
         if count > len(hit):
@@ -352,7 +378,9 @@ class KvgraftConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; saves are synchronous, so its blocks can be freed at once."""
-        self._requests.pop(request.request_id, None)
+        state = self._requests.pop(request.request_id, None)
+        if state is not None:
+            self._handoff.discard(state.hit)
         return False, None
 
     # --- worker side ---------------------------------------------------------------------------
@@ -368,16 +396,14 @@ class KvgraftConnector(KVConnectorBase_V1):
             raise ConnectorError(f"the connector was given {type(meta).__name__} metadata", hint="report this")
         if not meta.loads:
             return
-        # One indexed copy per layer for all of this step's blocks (not one copy per block and layer).
-        by_layer: dict[str, list[torch.Tensor]] = {}
+        # Each layer's slice of each block is copied once, from a view of the verified bytes straight
+        # into its paged block (decode_block makes views, no copy): one pass over the bytes. A
+        # stacked copy per layer then an index_copy_ made two passes, and safetensors' loader a third.
         for load in meta.loads:
-            for name, tensor in decode_block(load.data).items():
-                by_layer.setdefault(name, []).append(tensor)
-        block_ids = torch.tensor([load.block_id for load in meta.loads], dtype=torch.long)
-        for name, tensors in by_layer.items():
-            cache = self._caches[name]
-            stacked = torch.stack(tensors).view(len(tensors), *cache.shape[1:])
-            cache.index_copy_(0, block_ids.to(cache.device), stacked.to(cache.device))
+            mapped = open_handed(load.handed)
+            for name, tensor in decode_block(mapped).items():
+                cache = self._caches[name]
+                cache[load.block_id].copy_(tensor.view(cache.shape[1:]))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete in ``start_load_kv``: nothing to wait for."""
@@ -407,7 +433,9 @@ class KvgraftConnector(KVConnectorBase_V1):
                                claim.index, claim.key, e)
 
     def shutdown(self) -> None:
-        """Drop the signing key."""
+        """Drop the signing key (worker) and the handoff files (scheduler)."""
+        if getattr(self, "_handoff", None) is not None:
+            self._handoff.close()
         if self._signer is not None:
             self._signer.close()
             self._signer = None
