@@ -22,8 +22,10 @@ compared with the newest one this machine verified before for the same log
 
 One module per job:
 
-- ``http``: the bounded HTTP layer (``RegistryClient``, ``ClientLimits``, deadlines, JSON read
-  into wire models, error documents mapped to errors);
+- ``transport``: the bounded HTTP layer (``ClientLimits``, one total deadline per request,
+  bounded bodies, JSON read into wire models, error documents mapped to errors);
+- ``http``: ``RegistryClient``, one typed method per endpoint of the API, over ``transport``;
+- ``progress``: the progress bars (or plain lines) of the long steps;
 - ``evidence``: the registry key, checkpoints, inclusion and consistency proofs, the
   remembered checkpoint per log;
 - ``store``: local artifact and record directories, the local index, staged writes;
@@ -67,25 +69,9 @@ from .evidence import (
     registry_key,
     witness_policy_from,
 )
-from .http import (
-    CHUNK,
-    DEFAULT_MAX_BLOB_BYTES,
-    DEFAULT_MAX_ITEMS,
-    DEFAULT_MAX_JSON_BYTES,
-    DEFAULT_MAX_JSON_DEPTH,
-    DEFAULT_MAX_NOTE_BYTES,
-    DEFAULT_MAX_PAGES,
-    DEFAULT_MAX_PROBLEM_BYTES,
-    DEFAULT_MIN_RATE,
-    DEFAULT_TIMEOUT,
-    DEFAULT_WITNESS_WAIT,
-    PAGE_LIMIT,
-    ClientLimits,
-    Progress,
-    RegistryClient,
-    parse_json_answer,
-)
+from .http import CHUNK, DEFAULT_WITNESS_WAIT, PAGE_LIMIT, RegistryClient
 from .mirror import MirrorResult, mirror
+from .progress import Progress
 from .publish import MAX_CHAIN, PublishResult, publish
 from .pull import PullResult, pull
 from .store import (
@@ -99,6 +85,19 @@ from .store import (
     safe_path,
     stage,
     statement_of,
+)
+from .transport import (
+    DEFAULT_MAX_BLOB_BYTES,
+    DEFAULT_MAX_ITEMS,
+    DEFAULT_MAX_JSON_BYTES,
+    DEFAULT_MAX_JSON_DEPTH,
+    DEFAULT_MAX_NOTE_BYTES,
+    DEFAULT_MAX_PAGES,
+    DEFAULT_MAX_PROBLEM_BYTES,
+    DEFAULT_MIN_RATE,
+    DEFAULT_TIMEOUT,
+    ClientLimits,
+    parse_json_answer,
 )
 
 __all__ = [

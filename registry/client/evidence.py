@@ -278,12 +278,12 @@ def verify_entry_evidence(
 # --- remembered checkpoints --------------------------------------------------------------------
 
 
-class _NoMemory:
+class NoMemory:
     """Pass ``memory=NO_MEMORY`` to ``RegistryClient`` to remember nothing (tests of the log itself)."""
 
 
 #: ``RegistryClient(memory=NO_MEMORY)``: no checkpoint is remembered or compared.
-NO_MEMORY = _NoMemory
+NO_MEMORY = NoMemory
 #: Remembered logs of one key read at most when looking for another origin (a key signs one log).
 _MAX_OTHER_ORIGINS = 16
 

@@ -1,36 +1,27 @@
-"""The client's bounded HTTP layer: limits, one total deadline per request, bounded JSON read
-into the shared wire models, and the registry's error documents mapped to client errors.
+"""The registry's HTTP API as typed calls: ``RegistryClient``.
 
-A registry is not trusted with its sizes or its pace (``ClientLimits``): every request has one
-total deadline (connect to last byte, enforced on each socket read and write), a JSON answer is
-read up to ``max_json_bytes`` and no further and parsed into its wire model (``kvgraft.schemas``,
-strictly: a document of the wrong shape is one ``RegistryResponseError``), a blob is written up to
-its Content-Length and no further, and a listing must advance (a new cursor, strictly increasing
-log indexes) within ``max_pages`` and ``max_items``.
+One method per endpoint: short digests, the log (key, checkpoints, witnessed checkpoints, proofs),
+blobs (streamed both ways, bounded by their Content-Length), entries, artifacts and records, and
+the paged listings, which must advance (a new cursor, strictly increasing log indexes) within
+``max_pages`` and ``max_items``. Every call goes through ``transport.Transport``: one total
+deadline per request, bounded bodies, JSON read strictly into the wire models of
+``kvgraft.schemas``, error documents raised as ``RegistryClientError`` subclasses.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import hashlib
-import json
 import math
 import os
-import sys
 import time
-import urllib.parse
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any
 
-import httpcore
 import httpx
-from pydantic import BaseModel, ValidationError
 
-import kvgraft
 from kvgraft.schemas import (
     ArtifactDocument,
     BlobStored,
@@ -51,18 +42,17 @@ from .errors import (
     DiskFullError,
     EvidenceError,
     ListingError,
-    RegistryAuthError,
     RegistryClientError,
     RegistryNotFoundError,
-    RegistryResponseError,
     RegistryUnavailableError,
     ResponseTooLargeError,
     UnwitnessedCheckpointError,
     malformed,
-    malformed_document,
 )
-from .evidence import NO_MEMORY, CheckpointMemory, _NoMemory, prove_extends
-from .store import MAX_ENVELOPE_BYTES, free_bytes, local_write_error
+from .evidence import NO_MEMORY, CheckpointMemory, NoMemory, prove_extends
+from .progress import Progress
+from .store import free_bytes, local_write_error
+from .transport import ClientLimits, Transport, check_deadline, parse_json_answer, parse_wire, registry_url
 
 if TYPE_CHECKING:
     from .evidence import RegistryKey
@@ -71,139 +61,12 @@ if TYPE_CHECKING:
 CHUNK = 1 << 20
 #: The largest page the registry serves.
 PAGE_LIMIT = 500
-
-# --- the client's limits (docs/registry.md, "Client limits") -----------------------------------
-
-#: Seconds one request may take in all, from connecting to its last byte (``--timeout``).
-DEFAULT_TIMEOUT = 60.0
-#: The largest JSON answer read (``--max-json-bytes``); a longer one is refused unread.
-DEFAULT_MAX_JSON_BYTES = 64 << 20
-#: The deepest JSON answer accepted (the registry's documents nest a handful of levels).
-DEFAULT_MAX_JSON_DEPTH = 64
-#: The largest checkpoint note read (a note is a few hundred bytes; witnesses add lines).
-DEFAULT_MAX_NOTE_BYTES = 64 << 10
-#: The largest error document read before an error is reported.
-DEFAULT_MAX_PROBLEM_BYTES = 64 << 10
-#: The largest blob accepted (``--max-blob-bytes``): a larger Content-Length is refused before a byte.
-DEFAULT_MAX_BLOB_BYTES = 64 << 30
-#: A blob transfer gets ``--timeout`` plus its size at this rate in bytes/s (``--min-rate``).
-DEFAULT_MIN_RATE = 1 << 20
-#: The most pages and items one listing may take; past them the listing stops with an error.
-DEFAULT_MAX_PAGES = 100_000
-DEFAULT_MAX_ITEMS = 1_000_000
 #: Seconds a client with a witness policy waits for a checkpoint holding its entry to be cosigned
 #: (``--witness-wait``): witnesses cosign within moments of a publish when they are up.
 DEFAULT_WITNESS_WAIT = 30.0
 #: The first and the longest pause between two asks for a witnessed checkpoint.
 _WITNESS_POLL_FIRST = 0.25
 _WITNESS_POLL_MAX = 2.0
-
-_M = TypeVar("_M", bound=BaseModel)
-
-
-@dataclass(frozen=True)
-class ClientLimits:
-    """How much of a registry's time, memory and disk the client will spend on one request.
-
-    A registry is not trusted with these: an answer past a limit ends the request with a
-    one-line ``RegistryClientError`` naming the limit, never with a full memory or disk.
-    """
-
-    #: Seconds for one request in all (connect, send, headers, body): not per read.
-    timeout: float = DEFAULT_TIMEOUT
-    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
-    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
-    #: Envelopes are read whole; the registry's own default limit is 16 MiB.
-    max_envelope_bytes: int = MAX_ENVELOPE_BYTES
-    max_note_bytes: int = DEFAULT_MAX_NOTE_BYTES
-    max_problem_bytes: int = DEFAULT_MAX_PROBLEM_BYTES
-    max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES
-    #: Bytes per second a blob transfer must average: its deadline is timeout + size / min_rate.
-    min_rate: int = DEFAULT_MIN_RATE
-    max_pages: int = DEFAULT_MAX_PAGES
-    max_items: int = DEFAULT_MAX_ITEMS
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.timeout) and self.timeout > 0):
-            raise RegistryClientError(f"timeout {self.timeout} is not a positive number of seconds", hint="pass --timeout S with S > 0")
-        for f in dataclasses.fields(self):
-            if f.name == "timeout":
-                continue
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise RegistryClientError(
-                    f"{f.name} {value!r} is not a positive integer", hint="pass a positive whole number"
-                )
-
-    def blob_seconds(self, size: int) -> float:
-        """The deadline of a blob transfer of ``size`` bytes: the timeout plus its time at ``min_rate``."""
-        return self.timeout + size / self.min_rate
-
-
-# --- progress ----------------------------------------------------------------------------------
-
-
-class Progress(Protocol):
-    """The part of a tqdm bar the client uses."""
-
-    def update(self, n: float | None = 1) -> bool | None: ...
-
-    def close(self) -> None: ...
-
-
-class _NoProgress:
-    def update(self, n: float | None = 1) -> bool | None:
-        return None
-
-    def close(self) -> None:
-        return None
-
-
-class _LineProgress:
-    """Progress where stderr is not a terminal (a log, CI): one plain line when the step ends,
-    never a bar's carriage-return residue such as ``0.00B [00:00, ?B/s]``."""
-
-    def __init__(self, desc: str, unit: str) -> None:
-        self.desc, self.unit, self.n = desc, unit, 0
-
-    def update(self, n: float | None = 1) -> bool | None:
-        self.n += int(n or 0)
-        return None
-
-    def close(self) -> None:
-        unit = "byte" if self.unit == "B" else self.unit
-        plural = unit if self.n == 1 else unit[:-1] + "ies" if unit.endswith("y") else unit + "s"
-        done = f"{self.n} {plural}"
-        sys.stderr.write(f"kvgraft: {self.desc}: {done}\n")
-        sys.stderr.flush()
-
-
-def _bar(enabled: bool, total: int | None, desc: str, unit: str = "B") -> Progress:
-    """A tqdm bar on stderr when it is a terminal, a plain line per step otherwise; a no-op when
-    disabled, pointless (nothing to do) or tqdm is missing."""
-    if not enabled or total == 0:
-        return _NoProgress()
-    if not sys.stderr.isatty():
-        return _LineProgress(desc, unit)
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        # tqdm comes with the engine's dependencies; the registry extra alone may lack it.
-        return _NoProgress()
-    bar: Progress = tqdm(
-        total=total, desc=desc, unit=unit, unit_scale=unit == "B", unit_divisor=1024, file=sys.stderr, leave=False
-    )
-    return bar
-
-
-@contextlib.contextmanager
-def progress_bar(enabled: bool, total: int | None, desc: str, unit: str = "B") -> Iterator[Progress]:
-    """A progress bar (``_bar``) closed when the block ends."""
-    bar = _bar(enabled, total, desc, unit)
-    try:
-        yield bar
-    finally:
-        bar.close()
 
 
 # --- small helpers -----------------------------------------------------------------------------
@@ -224,175 +87,11 @@ def sha256_of(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-# --- deadlines ---------------------------------------------------------------------------------
-
-
-class _Deadline:
-    """A point in ``time.monotonic()`` by which a request must be done (movable: a blob's
-    deadline is set once its Content-Length is known)."""
-
-    __slots__ = ("at", "seconds")
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.at = time.monotonic() + seconds
-
-    def extend_to(self, seconds: float) -> None:
-        """Let the request run ``seconds`` from its start in all."""
-        self.at += seconds - self.seconds
-        self.seconds = seconds
-
-
-#: The deadlines of the requests in progress in this context; nested requests (a mirror's GET
-#: feeding a PUT) are bound by all of them.
-_DEADLINES: contextvars.ContextVar[tuple[_Deadline, ...]] = contextvars.ContextVar(
-    "kvgraft_registry_deadlines", default=()
-)
-
-
-def _time_left(timeout: float | None, error: type[Exception]) -> float | None:
-    """The socket timeout for one read or write: the configured one, cut to the time left."""
-    active = _DEADLINES.get()
-    if not active:
-        return timeout
-    left = min(d.at for d in active) - time.monotonic()
-    if left <= 0:
-        raise error("the request's total deadline passed")
-    return left if timeout is None else min(timeout, left)
-
-
-class _DeadlineStream(httpcore.NetworkStream):
-    """A socket stream whose every read and write waits at most until the request's deadline, so
-    a registry that drips one byte per read cannot outlive ``--timeout``."""
-
-    def __init__(self, inner: httpcore.NetworkStream) -> None:
-        self._inner = inner
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._inner.read(max_bytes, _time_left(timeout, httpcore.ReadTimeout))
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._inner.write(buffer, _time_left(timeout, httpcore.WriteTimeout))
-
-    def close(self) -> None:
-        self._inner.close()
-
-    def start_tls(
-        self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None
-    ) -> httpcore.NetworkStream:
-        inner = self._inner.start_tls(ssl_context, server_hostname, _time_left(timeout, httpcore.ConnectTimeout))
-        return _DeadlineStream(inner)
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._inner.get_extra_info(info)
-
-
-class _DeadlineBackend(httpcore.NetworkBackend):
-    def __init__(self, inner: httpcore.NetworkBackend) -> None:
-        self._inner = inner
-
-    def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.NetworkStream:
-        timeout = _time_left(timeout, httpcore.ConnectTimeout)
-        return _DeadlineStream(self._inner.connect_tcp(host, port, timeout, local_address, socket_options))
-
-    def connect_unix_socket(
-        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
-    ) -> httpcore.NetworkStream:
-        timeout = _time_left(timeout, httpcore.ConnectTimeout)
-        return _DeadlineStream(self._inner.connect_unix_socket(path, timeout, socket_options))
-
-    def sleep(self, seconds: float) -> None:
-        self._inner.sleep(seconds)
-
-
-def _install_deadlines(http: httpx.Client) -> None:
-    # httpx exposes no network backend option; its transports (and proxy mounts) each hold an
-    # httpcore pool that does. Where a future httpx hides it, the client still checks the
-    # deadline between chunks (see _read_body), a coarser bound.
-    for transport in [http._transport, *http._mounts.values()]:
-        pool = getattr(transport, "_pool", None)
-        backend = getattr(pool, "_network_backend", None)
-        if backend is not None and not isinstance(backend, _DeadlineBackend):
-            pool._network_backend = _DeadlineBackend(backend)  # type: ignore[union-attr]
-
-
-@contextlib.contextmanager
-def _deadline(seconds: float) -> Iterator[_Deadline]:
-    d = _Deadline(seconds)
-    token = _DEADLINES.set((*_DEADLINES.get(), d))
-    try:
-        yield d
-    finally:
-        _DEADLINES.reset(token)
-
-
-def _check_deadline(what: str) -> None:
-    active = _DEADLINES.get()
-    if active and time.monotonic() > min(d.at for d in active):
-        raise httpx.ReadTimeout(f"{what}: the request's total deadline passed")
-
-
-# --- bounded JSON ------------------------------------------------------------------------------
-
-
-def _too_deep(doc: Any, limit: int) -> bool:
-    # Iterative, so that checking a deep document cannot itself recurse.
-    stack: list[tuple[Any, int]] = [(doc, 1)]
-    while stack:
-        value, depth = stack.pop()
-        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
-        if children is None:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return False
-
-
-def parse_json_answer(body: bytes, url: str, limits: ClientLimits) -> Any:
-    """Parse a registry's JSON answer; every way it can fail is one ``RegistryResponseError``.
-
-    A document nested past ``limits.max_json_depth`` (or past what Python's parser can recurse
-    into), or one too large to hold in memory, is refused like a malformed one.
-    """
-    try:
-        doc = json.loads(body)
-    except RecursionError as e:
-        raise ResponseTooLargeError(
-            f"{url} sent JSON nested too deeply to parse (over {limits.max_json_depth} levels)"
-        ) from e
-    except MemoryError as e:
-        raise ResponseTooLargeError(f"{url} sent a JSON answer of {len(body)} bytes that does not fit in memory") from e
-    except (ValueError, UnicodeDecodeError) as e:
-        raise malformed(url, "the body is not JSON") from e
-    if _too_deep(doc, limits.max_json_depth):
-        raise ResponseTooLargeError(f"{url} sent JSON nested more than {limits.max_json_depth} levels deep")
-    return doc
-
-
-def parse_wire(model: type[_M], doc: Any, url: str, what: str) -> _M:
-    """``doc`` (parsed JSON) as the wire model ``model``, strictly (nothing coerced: ``"1"`` is not
-    an index, ``true`` is not a size); a document of another shape is one ``RegistryResponseError``."""
-    if not isinstance(doc, dict):
-        raise malformed(url, f"{what} is a JSON {type(doc).__name__}, not an object")
-    try:
-        return model.model_validate(doc, strict=True)
-    except ValidationError as e:
-        raise malformed_document(url, e, what) from e
-
-
-# --- the HTTP client ---------------------------------------------------------------------------
+# --- the client ----------------------------------------------------------------------------------
 
 
 class RegistryClient:
-    """One registry, over one ``httpx.Client``; use it as a context manager so the connection
+    """One registry, over one ``httpx.Client`` (a ``Transport``); use it as a context manager so the connection
     pool is closed when the block ends.
 
     ``token`` is sent as ``Authorization: Bearer`` on every request (writes need it; reads need
@@ -417,16 +116,12 @@ class RegistryClient:
         timeout: float | None = None,
         transport: httpx.BaseTransport | None = None,
         limits: ClientLimits | None = None,
-        memory: CheckpointMemory | None | type[_NoMemory] = None,
+        memory: CheckpointMemory | None | type[NoMemory] = None,
         witness_policy: WitnessPolicy | None = None,
         witness_wait: float = DEFAULT_WITNESS_WAIT,
     ) -> None:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise RegistryClientError(
-                f"{url!r} is not a registry URL", hint="pass http(s)://host:port, e.g. http://127.0.0.1:8000"
-            )
-        self.url = url.rstrip("/")
+        url = registry_url(url)
+        self.url = url
         limits = limits or ClientLimits()
         if timeout is not None:
             limits = dataclasses.replace(limits, timeout=timeout)
@@ -440,18 +135,7 @@ class RegistryClient:
         self.memory: CheckpointMemory | None = (
             CheckpointMemory.default() if memory is None else None if memory is NO_MEMORY else memory  # type: ignore[assignment]
         )
-        headers = {"User-Agent": f"kvgraft/{kvgraft.__version__}"}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        self._http = httpx.Client(
-            base_url=self.url,
-            headers=headers,
-            # Each read or write waits at most this long, and never past the request's deadline.
-            timeout=httpx.Timeout(limits.timeout, connect=min(limits.timeout, 10.0)),
-            transport=transport,
-            follow_redirects=False,
-        )
-        _install_deadlines(self._http)
+        self._http = Transport(url, limits, token=token, transport=transport)
 
     def __enter__(self) -> RegistryClient:
         return self
@@ -462,108 +146,6 @@ class RegistryClient:
     def close(self) -> None:
         """Close the connection pool."""
         self._http.close()
-
-    # --- plumbing ------------------------------------------------------------------------
-
-    def _read_body(self, response: httpx.Response, limit: int, what: str) -> bytes:
-        """The body of ``response``, refused past ``limit`` bytes (counted as decoded, so a
-        compressed answer cannot expand past it either); never more than one chunk over."""
-        url = f"{response.request.method} {response.request.url}"
-        length = response.headers.get("content-length", "")
-        if length.isascii() and length.isdigit() and int(length) > limit:
-            raise ResponseTooLargeError(
-                f"{url} announced {int(length)} bytes for {what}, more than the limit of {limit}"
-            )
-        body = bytearray()
-        try:
-            for chunk in response.iter_bytes():
-                body += chunk
-                if len(body) > limit:
-                    raise ResponseTooLargeError(f"{url} sent more than {limit} bytes for {what}; the rest was not read")
-                _check_deadline(url)
-            return bytes(body)
-        except MemoryError as e:
-            raise ResponseTooLargeError(f"{url}: {what} of {len(body)} bytes so far does not fit in memory") from e
-
-    def _error(self, response: httpx.Response) -> RegistryResponseError:
-        # The problem document is read leniently (a dict as served): it only words the error.
-        problem: dict[str, Any] = {}
-        with contextlib.suppress(ValueError, RecursionError, MemoryError, RegistryClientError, httpx.HTTPError):
-            body = self._read_body(response, self.limits.max_problem_bytes, "an error document")
-            doc = json.loads(body)
-            if isinstance(doc, dict) and not _too_deep(doc, self.limits.max_json_depth):
-                problem = doc
-        status = response.status_code
-        where = f"{response.request.method} {response.request.url}"
-        detail = problem.get("detail") if isinstance(problem.get("detail"), str) else None
-        title = problem.get("title") if isinstance(problem.get("title"), str) else response.reason_phrase
-        message = f"{where} answered {status} {title}" + (f": {detail[:500]}" if detail else "")
-        missing = problem.get("missing")
-        if isinstance(missing, list) and missing and not detail:
-            message += f" (missing {', '.join(map(str, missing[:5]))})"
-        hint = problem.get("hint") if isinstance(problem.get("hint"), str) else None
-        cls = (
-            RegistryAuthError
-            if status in (401, 403)
-            else RegistryNotFoundError
-            if status == 404
-            else RegistryResponseError
-        )
-        return cls(message, hint=hint, status=status, problem=problem)
-
-    @contextlib.contextmanager
-    def _stream(
-        self,
-        method: str,
-        path: str,
-        *,
-        expect: Sequence[int] = (200,),
-        token: str | None = None,
-        seconds: float | None = None,
-        **kwargs: Any,
-    ) -> Iterator[tuple[httpx.Response, _Deadline]]:
-        """Send one request under one total deadline (``seconds``, default the timeout) and yield
-        (the response, its deadline) with the body unread; a status not in ``expect`` raises."""
-        headers = dict(kwargs.pop("headers", None) or {})
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        seconds = self.limits.timeout if seconds is None else seconds
-        with _deadline(seconds) as deadline:
-            try:
-                with self._http.stream(method, path, headers=headers, **kwargs) as response:
-                    if response.status_code not in expect:
-                        raise self._error(response)
-                    yield response, deadline
-            except httpx.TimeoutException as e:
-                raise RegistryUnavailableError(
-                    f"{method} {self.url}{path} did not complete within its deadline of {deadline.seconds:.0f} s ({e})",
-                    hint="the registry is too slow or stalls; retry, or raise --timeout (the limit for a whole request)",
-                ) from e
-            except httpx.HTTPError as e:
-                raise RegistryUnavailableError(f"{method} {self.url}{path} failed: {str(e) or type(e).__name__}") from e
-
-    def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        expect: Sequence[int] = (200,),
-        token: str | None = None,
-        limit: int | None = None,
-        what: str = "the answer",
-        **kwargs: Any,
-    ) -> tuple[int, bytes]:
-        """(status, body) of one request, the body read up to ``limit`` bytes (default max_json_bytes)."""
-        with self._stream(method, path, expect=expect, token=token, **kwargs) as (response, _):
-            body = self._read_body(response, self.limits.max_json_bytes if limit is None else limit, what)
-            return response.status_code, body
-
-    def _document(self, model: type[_M], path: str, what: str, *, method: str = "GET", **kwargs: Any) -> tuple[int, _M]:
-        """(status, the JSON answer as ``model``): read within ``max_json_bytes`` and
-        ``max_json_depth``, then parsed strictly (``parse_wire``)."""
-        status, body = self._request(method, path, what="a JSON answer", **kwargs)
-        url = self.url + path
-        return status, parse_wire(model, parse_json_answer(body, url, self.limits), url, what)
 
     # --- short digests --------------------------------------------------------------------
 
@@ -579,7 +161,7 @@ class RegistryClient:
             raise RegistryClientError(f"{text[:80]!r} is neither a digest nor a short one",
                                       hint="pass sha256:<64 lowercase hex>, or a unique start of one (at least 4 hex digits)")
         query = "?kind=artifact" if artifacts_only else ""
-        found = self._document(DigestMatches, f"/v1/digests/sha256:{hex_part}{query}", "the digests")[1]
+        found = self._http.document(DigestMatches, f"/v1/digests/sha256:{hex_part}{query}", "the digests")[1]
         # The registry's answer is checked, not trusted: every match must start with what was asked.
         matches = [m.digest for m in found.matches if m.digest.startswith(f"sha256:{hex_part}")]
         what = "artifact digest" if artifacts_only else "digest"
@@ -595,7 +177,7 @@ class RegistryClient:
 
     def log_key(self) -> LogKey:
         """``GET /v1/log/key``: origin, public key PEM, key id, note verifier key, tree size."""
-        return self._document(LogKey, "/v1/log/key", "the log key")[1]
+        return self._http.document(LogKey, "/v1/log/key", "the log key")[1]
 
     def checkpoint(self, tree_size: int | None = None, *, witnessed: int | None = None) -> bytes:
         """The signed checkpoint note, latest, at ``tree_size``, or the newest cosigned by at least
@@ -603,7 +185,7 @@ class RegistryClient:
         params = {} if tree_size is None else {"tree_size": tree_size}
         if witnessed is not None:
             params["witnessed"] = witnessed
-        return self._request(
+        return self._http.request(
             "GET", "/v1/log/checkpoint", params=params, limit=self.limits.max_note_bytes, what="a checkpoint"
         )[1]
 
@@ -691,14 +273,14 @@ class RegistryClient:
         params: dict[str, int] = {"index": index}
         if tree_size is not None:
             params["tree_size"] = tree_size
-        return self._document(InclusionProof, "/v1/log/proof/inclusion", "the inclusion proof", params=params)[1]
+        return self._http.document(InclusionProof, "/v1/log/proof/inclusion", "the inclusion proof", params=params)[1]
 
     def consistency_proof(self, old: int, new: int | None = None) -> ConsistencyProof:
         """The consistency proof (``old_size``, ``new_size``, ``hashes``) between two tree sizes (new: latest)."""
         params: dict[str, int] = {"old": old}
         if new is not None:
             params["new"] = new
-        return self._document(ConsistencyProof, "/v1/log/proof/consistency", "the consistency proof", params=params)[1]
+        return self._http.document(ConsistencyProof, "/v1/log/proof/consistency", "the consistency proof", params=params)[1]
 
     def verify_extends(self, old: Checkpoint, new: Checkpoint) -> None:
         """Fetch and verify the consistency proof that ``new`` extends ``old`` (raises ``EvidenceError``)."""
@@ -709,7 +291,7 @@ class RegistryClient:
     def blob_size(self, digest: str) -> int | None:
         """The stored blob's size (``HEAD``), or None when the registry does not hold it."""
         digest = checked_digest(digest)
-        with self._stream("HEAD", f"/v1/blobs/{digest}", expect=(200, 404)) as (response, _):
+        with self._http.stream("HEAD", f"/v1/blobs/{digest}", expect=(200, 404)) as (response, _):
             if response.status_code == 404:
                 return None
             length = response.headers.get("content-length", "")
@@ -726,7 +308,7 @@ class RegistryClient:
         """
         digest = checked_digest(digest)
         path = f"/v1/blobs/{digest}"
-        status, body = self._request(
+        status, body = self._http.request(
             "PUT",
             path,
             expect=(200, 201),
@@ -752,7 +334,7 @@ class RegistryClient:
         digest = checked_digest(digest)
         url = f"/v1/blobs/{digest}"
         # Identity, so that Content-Length is the blob's size, which bounds what is written.
-        with self._stream("GET", url, headers={"Accept-Encoding": "identity"}) as (response, deadline):
+        with self._http.stream("GET", url, headers={"Accept-Encoding": "identity"}) as (response, deadline):
             raw_length = response.headers.get("content-length", "")
             length = int(raw_length) if raw_length.isascii() and raw_length.isdigit() else None
             if response.headers.get("content-encoding", "identity").lower() != "identity":
@@ -774,7 +356,7 @@ class RegistryClient:
                         got += len(chunk)
                         if got > cap:
                             raise ResponseTooLargeError(f"{self.url}{url} sent more than the {cap} bytes it announced")
-                        _check_deadline(self.url + url)
+                        check_deadline(self.url + url)
                         yield chunk
                 except httpx.TimeoutException as e:
                     raise RegistryUnavailableError(
@@ -838,7 +420,7 @@ class RegistryClient:
 
     def post_entry(self, envelope: bytes, *, token: str | None = None) -> tuple[EntryDocument, bool]:
         """``POST /v1/entries`` with the envelope bytes as given; (the entry document, created)."""
-        status, doc = self._document(
+        status, doc = self._http.document(
             EntryDocument,
             "/v1/entries",
             "the publish answer",
@@ -852,11 +434,11 @@ class RegistryClient:
 
     def entry(self, ref: int | str) -> EntryDocument:
         """The entry (by log index or envelope digest), its inclusion proof and the latest checkpoint."""
-        return self._document(EntryDocument, f"/v1/entries/{ref}", "the entry document")[1]
+        return self._http.document(EntryDocument, f"/v1/entries/{ref}", "the entry document")[1]
 
     def envelope(self, ref: int | str) -> bytes:
         """An entry's envelope bytes exactly as stored (unchecked: see ``hash_leaf``)."""
-        return self._request(
+        return self._http.request(
             "GET", f"/v1/entries/{ref}/envelope", limit=self.limits.max_envelope_bytes, what="an envelope"
         )[1]
 
@@ -865,7 +447,7 @@ class RegistryClient:
         signed by key id ``signer`` claims it (default: the first entry logged)."""
         path = f"/v1/artifacts/{checked_digest(digest, 'artifact digest')}"
         params = {} if signer is None else {"signer": signer}
-        return self._document(ArtifactDocument, path, "the artifact document", params=params)[1]
+        return self._http.document(ArtifactDocument, path, "the artifact document", params=params)[1]
 
     def _pages(self, path: str, params: dict[str, Any], *, below: int | None = None) -> Iterator[dict[str, Any]]:
         """Every item of a paged listing, in log order, up to (not including) log index ``below``.
@@ -883,7 +465,7 @@ class RegistryClient:
             query = {k: v for k, v in params.items() if v is not None} | {"limit": PAGE_LIMIT}
             if cursor is not None:
                 query["cursor"] = cursor
-            raw = parse_json_answer(self._request("GET", path, params=query, what="a JSON answer")[1], url, self.limits)
+            raw = parse_json_answer(self._http.request("GET", path, params=query, what="a JSON answer")[1], url, self.limits)
             page = parse_wire(Listing, raw, url, "the page")
             next_cursor = page.next_cursor
             if next_cursor is not None:

@@ -22,7 +22,9 @@ from .errors import (
     malformed,
 )
 from .evidence import RegistryKey, prove_consistency, registry_key
-from .http import RegistryClient, parse_wire, progress_bar, sha256_of
+from .http import RegistryClient, sha256_of
+from .progress import progress_bar
+from .transport import parse_wire
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from typing import Any
 
 from .errors import LocalFilesError, ParentNotPublishedError, RegistryNotFoundError, RegistryResponseError
 from .evidence import RegistryKey, registry_key, verify_entry_evidence
-from .http import CHUNK, Progress, RegistryClient, progress_bar, sha256_of
+from .http import CHUNK, RegistryClient, sha256_of
+from .progress import Progress, progress_bar
 from .store import LocalEntry, file_digest, find_local_artifact, read_local
 
 #: No real chain is this deep; a cycle cannot make publish or pull recurse forever.

@@ -32,7 +32,8 @@ from kvgraft.verifier import (
 
 from .errors import EnvelopeSignatureError, EvidenceError, LocalFilesError
 from .evidence import RegistryKey, registry_key, verify_entry_evidence
-from .http import RegistryClient, checked_digest, progress_bar
+from .http import RegistryClient, checked_digest
+from .progress import progress_bar
 from .publish import MAX_CHAIN
 from .store import commit, local_write_error, safe_path, stage
 

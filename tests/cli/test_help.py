@@ -174,7 +174,7 @@ def test_regression_progress_is_plain_lines_when_stderr_is_not_a_terminal(tmp_pa
     """A pull's byte bar left ``0.00B [00:00, ?B/s]`` residue in logs; off a terminal it is one line per step."""
     pytest.importorskip("httpx")
     script = (
-        "from kvgraft.registry.client.http import progress_bar\n"
+        "from kvgraft.registry.client.progress import progress_bar\n"
         "with progress_bar(True, None, 'pull art') as bar:\n"
         "    bar.update(1000); bar.update(24)\n"
         "with progress_bar(True, 3, 'mirror a -> b', unit='entry') as bar:\n"
