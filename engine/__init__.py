@@ -61,7 +61,6 @@ from ._internal.library import (
     Hit,
     Library,
     ProblemIndex,
-    ask_model,
     clean_solution,
     lookup_all,
     read_index,
@@ -104,6 +103,7 @@ from ._internal.ops import (
 )
 from ._internal.profiles import (
     DEFAULT_PROFILE,
+    FLYWHEEL_PROFILE,
     ISA_LEVELS,
     PROFILE_ALIASES,
     PROFILES,
@@ -111,6 +111,7 @@ from ._internal.profiles import (
     compute_dtype,
     cpu_description,
     current_profile,
+    flywheel_profile,
     require_same,
 )
 from ._internal.schedules import prefill, single_pass
@@ -119,6 +120,7 @@ from ._internal.slots import (
     ServerIdentity,
     SlotError,
     VerifiedSlot,
+    envelope_path,
     read_slot,
     restore_slot,
     server_identity,
@@ -136,13 +138,14 @@ from ._internal.trust import (
     resolve_trust,
     trust_signer,
 )
+from ._internal.unassisted import ask_model
 
 __all__ = [
     "ArtifactSignatureError", "DEFAULT_MAX_CHAIN_DEPTH", "LineageError", "NoTrustedKeysError", "SKIPPED", "SKIP_WARNING",
     "TRUSTED_KEYS_ENV", "Trust", "TrustOptionsError", "UnsafeTensorError", "home_trusted_keys_path",
     "local_public_key_path", "read_statement", "resolve_trust", "trust_signer",
     "EvaluationError", "KernelError", "LibraryError", "PROFILE_ALIASES", "ScheduleError", "prefill", "single_pass",
-    "Answer", "GRAFT_THRESHOLD", "GREEDY", "Sampling", "ArtifactError", "Captured", "Hit", "Library", "Continuation", "DEFAULT_PROFILE", "EngineError", "InputTextError", "KVState",
+    "Answer", "GRAFT_THRESHOLD", "GREEDY", "Sampling", "ArtifactError", "Captured", "Hit", "Library", "Continuation", "DEFAULT_PROFILE", "FLYWHEEL_PROFILE", "flywheel_profile", "EngineError", "InputTextError", "KVState",
     "KV_FILE", "KvFileError", "LoadedArtifact", "LoadedModel", "MODELS", "ModelFileError", "ModelNotInstalledError",
     "ModelSpec", "PROFILES", "ProfileMismatchError", "STATEMENT_FILE", "Segment", "UnknownModelError", "UnknownProfileError", "applied",
     "cache_dir", "capture", "chain_key", "current_profile", "deserialize", "ensure_cached", "ensure_local_key",
@@ -151,7 +154,7 @@ __all__ = [
     "EvalRun", "clean_solution", "read_meta", "run_eval", "run_exactness", "run_replay", "select", "summary_table",
     "write_pre_registration", "write_design", "run_voted_eval", "FLYWHEEL_RULE", "VOTE_RULE", "Wheel", "install", "install_hint", "AnyModel", "LlamaCppError", "LlamaCppModel", "load_model_for", "server_binary", "LLAMACPP_SETTINGS", "LlamaCppState",
     "llama_cpp_bindings", "DecodeJob", "decode_batch", "new_state", "draw_pairs",
-    "ServerIdentity", "SlotError", "VerifiedSlot", "read_slot", "restore_slot", "server_identity", "sign_slot", "verify_slot",
+    "ServerIdentity", "SlotError", "VerifiedSlot", "envelope_path", "read_slot", "restore_slot", "server_identity", "sign_slot", "verify_slot",
     "ContextWindowError", "EngineServerConfigError", "EngineServerError", "NOTHING_GRAFTED", "ServeConfig", "ServeSettings",
     "ask_model", "create_engine_app", "ISA_LEVELS", "compute_dtype", "cpu_description", "lookup_all", "serve_engine", "ProblemIndex", "worked_solution", "journal_path", "read_index", "require_library_match", "MAX_INDEX_LINE_BYTES",
 ]

@@ -63,8 +63,8 @@ from kvgraft.schemas import (
 from kvgraft.verifier import Dataset, TrustedKeys, extract_answer, grade, write_atomic
 
 from .artifacts import LoadedArtifact, load_artifact
-from .errors import ContextWindowError, InputTextError, LibraryError, NoTrustedKeysError
-from .ops import GREEDY, AnyModel, Decoded, DecodeJob, Sampling, capture, continue_from, decode_batch
+from .errors import ContextWindowError, LibraryError, NoTrustedKeysError
+from .ops import GREEDY, AnyModel, Decoded, DecodeJob, Sampling, capture, continue_from
 from .profiles import PROFILE_ALIASES
 from .trust import trust_signer
 
@@ -372,11 +372,12 @@ def _require_trust(directory: Path, trusted: TrustedKeys | None, insecure_skip_v
         )
 
 
-def _parameters(model: AnyModel) -> int:
+def parameters_of(model: AnyModel) -> int:
+    """The model's parameter count (what an energy estimate counts FLOPs by)."""
     return model.parameter_count
 
 
-def _check_window(model: AnyModel, start: int, ids: list[int]) -> None:
+def check_window(model: AnyModel, start: int, ids: list[int]) -> None:
     """Refuse a question that does not fit the model's window after the ``start`` positions
     grafted before it, before anything runs (``ContextWindowError``)."""
     window = model.spec.window
@@ -475,78 +476,6 @@ class Plan:
 NOTHING_GRAFTED = "none (nothing grafted)"
 
 
-def ask_model(model: AnyModel, profile: DeterminismProfile, question: str, *, max_new_tokens: int = 256,
-              stop: Callable[[str], bool] | None = None, sampling: Sampling = GREEDY) -> Answer:
-    """The model's own answer to ``question`` (greedy unless ``sampling``), with no library: the question's tokens
-    (after BOS) on an empty state, decoded until EOS, ``max_new_tokens`` or ``stop`` (called
-    after every token with the text so far). Kind ``unassisted``, method ``none``, no entry, no
-    extracted answer (there is no dataset kind to read one by), signature ``NOTHING_GRAFTED``;
-    finished only when it ended at EOS."""
-    t0 = time.perf_counter()
-    energy = EnergyMeter(_parameters(model))
-    energy.start()
-    ids = model.tokenizer.encode(question, first=True)
-    if not ids:
-        raise InputTextError("the question tokenizes to no tokens", hint="ask a question with some text")
-    _check_window(model, 0, ids)
-    decoded = continue_from(model, profile, None, ids, max_new_tokens=max_new_tokens, keep_eos=False, stop=stop,
-                            sampling=sampling)
-    joules, method = energy.stop(len(ids) + len(decoded.tokens))
-    return Answer(
-        question=question, kind="unassisted", finished=decoded.stopped_by == "eos", answer=None, text=decoded.text,
-        prompt=question, entry=None, method="none", score=0.0,
-        prompt_tokens=len(ids), decode_tokens=len(decoded.tokens), context_tokens=len(ids),
-        seconds=time.perf_counter() - t0, energy_joules=joules, energy_method=method, signature=NOTHING_GRAFTED,
-        stopped_by=decoded.stopped_by, seed=None if sampling.greedy else sampling.seed,
-    )
-
-
-@dataclass(frozen=True)
-class Question:
-    """One question for ``ask_model_batch``: what ``ask_model`` takes, as a value."""
-
-    question: str
-    max_new_tokens: int = 256
-    stop: Callable[[str], bool] | None = None
-    sampling: Sampling = GREEDY
-
-
-def ask_model_batch(model: AnyModel, profile: DeterminismProfile, questions: Sequence[Question]) -> list[Answer]:
-    """``ask_model`` for many questions at once, decoded together (``decode_batch``: one forward
-    pass, or one llama.cpp batch, per step for every unfinished question); the answers in order.
-    Each is what ``ask_model`` reports, but for the numbers of a batched run (see ``KVBatch``) and
-    the energy, measured once for the batch and shared by tokens. Every question is tokenized and
-    checked against the window first: one that is refused refuses the batch before it runs."""
-    t0 = time.perf_counter()
-    energy = EnergyMeter(_parameters(model))
-    energy.start()
-    ids = []
-    for q in questions:
-        tokens = model.tokenizer.encode(q.question, first=True)
-        if not tokens:
-            raise InputTextError("the question tokenizes to no tokens", hint="ask a question with some text")
-        _check_window(model, 0, tokens)
-        ids.append(tokens)
-    decoded: dict[int, Decoded] = {}
-    jobs = [DecodeJob(None, t, max_new_tokens=q.max_new_tokens, keep_eos=False, stop=q.stop, sampling=q.sampling)
-            for q, t in zip(questions, ids, strict=True)]
-    decode_batch(model, profile, jobs, batch=len(jobs), on_done=decoded.__setitem__)
-    total = sum(len(t) + len(d.tokens) for t, d in zip(ids, (decoded[i] for i in range(len(jobs))), strict=True))
-    joules, method = energy.stop(total)
-    seconds = time.perf_counter() - t0
-    answers = []
-    for i, (q, t) in enumerate(zip(questions, ids, strict=True)):
-        d = decoded[i]
-        answers.append(Answer(
-            question=q.question, kind="unassisted", finished=d.stopped_by == "eos", answer=None, text=d.text,
-            prompt=q.question, entry=None, method="none", score=0.0,
-            prompt_tokens=len(t), decode_tokens=len(d.tokens), context_tokens=len(t),
-            seconds=seconds, energy_joules=joules * (len(t) + len(d.tokens)) / max(total, 1), energy_method=method,
-            signature=NOTHING_GRAFTED, stopped_by=d.stopped_by, seed=None if q.sampling.greedy else q.sampling.seed,
-        ))
-    return answers
-
-
 def lookup_all(libraries: Sequence[Library], question: str) -> tuple[Library, Hit] | None:
     """The entry for ``question`` across ``libraries`` (each for the same model): an exact hit
     in any of them wins (the first library's, in the order given); else the most similar entry
@@ -595,7 +524,7 @@ class Library:
         for e in entries:
             self._text.add(e.problem)
         self._prefix: LoadedArtifact | None = None
-        self._energy = EnergyMeter(_parameters(model))
+        self._energy = EnergyMeter(parameters_of(model))
 
     # --- opening ---------------------------------------------------------------------------------
 
@@ -803,7 +732,7 @@ class Library:
             artifact = self.load_entry(hit.entry)
             suffix, budget, own, head = question_text(question), max_new_tokens, stop_after_boxed, ""
         ids = self.model.tokenizer.encode(suffix, first=False)
-        _check_window(self.model, artifact.statement.predicate.positions.end, ids)
+        check_window(self.model, artifact.statement.predicate.positions.end, ids)
         # Every text in the chain is signed and present: prefix() and load_entry() compared them.
         prompt = "".join(a.statement.predicate.source_text.text or "" for a in artifact.chain) + suffix
         return Plan(question=question, kind_of_problems=self.meta["kind"], hit=hit, artifact=artifact, ids=ids, budget=budget,

@@ -47,10 +47,9 @@ from litestar.background_tasks import BackgroundTask
 from litestar.exceptions import HTTPException, MethodNotAllowedException, NotFoundException
 from litestar.response import Stream
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from kvgraft.schemas import (
-    MAX_SEED,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -83,15 +82,16 @@ from .errors import (
     PromptTooLongError,
     QueueFullError,
     RequestTimeoutError,
-    RequestTooLargeError,
     RouteNotFoundError,
     ServerStoppingError,
 )
-from .library import Answer, Library, Question, answer_kind, ask_model, ask_model_batch, grafted_hit, lookup_all
+from .library import Answer, Library, answer_kind, grafted_hit, lookup_all
 from .llamacpp import LlamaCppModel
 from .ops import GREEDY, AnyModel, Sampling, load_model_for
 from .profiles import current_profile
 from .serve import LOGGER, ServeConfig
+from .serve_requests import chat_question, check_request, parse_request, question_of, read_body, sampling_of
+from .unassisted import Question, ask_model, ask_model_stream
 
 logger = logging.getLogger(LOGGER)
 
@@ -371,69 +371,120 @@ def _scrub(text: str) -> str:
 
 async def _worker(served: _Served, jobs: MemoryObjectReceiveStream[_Job]) -> None:
     """The one model worker: each job in order, in a thread, one at a time (see the module
-    docstring); on llama.cpp without a library, the base answers waiting at once are decoded
-    together, one llama.cpp batch per step (``_run_together``)."""
+    docstring); on llama.cpp without a library, base answers are decoded together with
+    continuous batching (``_run_together``: jobs join the llama.cpp batch as rows free up, and
+    each is answered as soon as its own decode ends)."""
     together = isinstance(served.model, LlamaCppModel) and not served.libraries
-    limit = served.model.settings.n_seq_max if isinstance(served.model, LlamaCppModel) else 1
     async with jobs:
         async for first in jobs:
-            batch = [first]
-            while together and len(batch) < limit:
-                try:
-                    batch.append(jobs.receive_nowait())
-                except anyio.WouldBlock:
-                    break
+            if together and first.n == 1:
+                await anyio.to_thread.run_sync(_run_together, first, jobs, served)
+                continue
             try:
-                live = []
-                for job in batch:
-                    if job.cancelled or served.stopping:
-                        continue
-                    if job.remaining() <= 0:
-                        job.error = job.timeout_error()
-                        continue
-                    live.append(job)
+                if first.cancelled or served.stopping:
+                    continue
+                if first.remaining() <= 0:
+                    first.error = first.timeout_error()
+                    continue
                 served.running = True
-                for job in live:
-                    job.running = True
+                first.running = True
                 # Not abandoned on cancellation: the thread ends at its next token (on_token sees
                 # stopping), and the next job never starts while a forward pass still runs.
-                if len(live) > 1:
-                    await anyio.to_thread.run_sync(_run_together, live, served)
-                elif live:
-                    await anyio.to_thread.run_sync(live[0].run, served)
+                await anyio.to_thread.run_sync(first.run, served)
             finally:
                 served.running = False
-                for job in batch:
-                    job.finish()
+                first.finish()
 
 
-def _run_together(jobs: list[_Job], served: _Served) -> None:
-    """Base answers (no library) of several jobs decoded together (``ask_model_batch``), in the
-    worker's thread. A job with several choices, or a batch one of whose questions is refused
-    before decoding (empty, past the window), runs alone instead (``_Job.run``: its own error)."""
-    single = [job for job in jobs if job.n == 1]
-    for job in jobs:
-        if job.n != 1:
-            job.run(served)
-    if not single:
-        return
-    for job in single:
-        job._served = served  # what on_token reads to stop when the server stops
-    try:
-        answers = ask_model_batch(served.model, served.profile, [
-            Question(job.question, max_new_tokens=job.max_tokens, stop=job.on_token, sampling=job.sampling) for job in single])
-    except InputTextError:
-        for job in single:
-            job.run(served)
-        return
-    except Exception as e:
-        logger.error("the model worker failed", exc_info=e)
-        for job in single:
-            job.error = _caused(EngineServerError("the model worker failed to answer this request"), e)
-        return
-    for job, answer in zip(single, answers, strict=True):
+def _live(job: _Job, served: _Served) -> bool:
+    """Whether a job taken from the queue is still to be run (on the loop); a dead one is finished
+    here: skipped when cancelled or the server stops, a timeout when its deadline passed."""
+    if job.cancelled or served.stopping:
+        job.finish()
+        return False
+    if job.remaining() <= 0:
+        job.error = job.timeout_error()
+        job.finish()
+        return False
+    job.running = True
+    served.running = True
+    return True
+
+
+def _run_together(first: _Job, jobs: MemoryObjectReceiveStream[_Job], served: _Served) -> None:
+    """Base answers (no library) decoded together, in the worker's thread (``ask_model_stream``):
+    ``first``, then whatever waits in the queue whenever a row is free, up to the context's
+    sequences. Each job is finished on the loop as soon as its answer (or refusal) is ready. A
+    job that asks for several choices waits for the rows to drain and runs alone (``_Job.run``)."""
+    limit = served.model.settings.n_seq_max if isinstance(served.model, LlamaCppModel) else 1
+    held: list[_Job] = []  # a job with several choices, taken from the queue: it runs after the rest
+    inflight: list[_Job] = []  # every job handed to the decoder, answered or not
+
+    def take(free: int) -> list[tuple[_Job, Question]]:
+        def on_loop() -> list[_Job]:
+            got: list[_Job] = []
+            while len(got) < free and not held:
+                try:
+                    job = jobs.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+                if job.n != 1:
+                    held.append(job)
+                elif _live(job, served):
+                    got.append(job)
+            return got
+
+        taken = anyio.from_thread.run_sync(on_loop) if not served.stopping else []
+        for job in taken:
+            job._served = served  # what on_token reads to stop when the server stops
+            inflight.append(job)
+        return [(job, Question(job.question, max_new_tokens=job.max_tokens, stop=job.on_token, sampling=job.sampling))
+                for job in taken]
+
+    def answered(job: _Job, answer: Answer) -> None:
         job.answers = [answer]
         job.answer = answer
+        anyio.from_thread.run_sync(job.finish)
+
+    def refused(job: _Job, e: InputTextError) -> None:
+        job.error = _caused(PromptTooLongError(e.message, hint=e.hint, param=job.param) if isinstance(e, ContextWindowError)
+                            else InvalidRequestError(e.message, hint=e.hint, param=job.param), e)
+        anyio.from_thread.run_sync(job.finish)
+
+    started = [False]
+
+    def first_then_queue(free: int) -> list[tuple[_Job, Question]]:
+        if not started[0]:
+            started[0] = True
+            if not anyio.from_thread.run_sync(_live, first, served):
+                return take(free)
+            first._served = served
+            inflight.append(first)
+            return [(first, Question(first.question, max_new_tokens=first.max_tokens, stop=first.on_token,
+                                     sampling=first.sampling))] + take(free - 1)
+        return take(free)
+
+    try:
+        ask_model_stream(served.model, served.profile, first_then_queue, on_answer=answered, on_refused=refused, batch=limit)
+    except Exception as e:
+        logger.error("the model worker failed", exc_info=e)
+        # Every job still running gets the failure; finish is idempotent for those already answered.
+        error = _caused(EngineServerError("the model worker failed to answer this request"), e)
+
+        def fail_all() -> None:
+            for job in inflight:
+                if job.answer is None and job.error is None:
+                    job.error = error
+                job.finish()
+
+        anyio.from_thread.run_sync(fail_all)
+    for job in held:
+        try:
+            if anyio.from_thread.run_sync(_live, job, served):
+                job.run(served)
+        finally:
+            anyio.from_thread.run_sync(job.finish)
+    anyio.from_thread.run_sync(lambda: setattr(served, "running", False))
 
 
 # --- requests ------------------------------------------------------------------------------------
@@ -444,131 +495,6 @@ _Model = TypeVar("_Model", bound=BaseModel)
 def _served(request: Request[Any, Any, Any]) -> _Served:
     served: _Served = request.app.state.served
     return served
-
-
-async def _read_body(request: Request[Any, Any, Any], limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
-        raise RequestTooLargeError(f"the request body is {int(declared)} bytes; this server accepts at most {limit}")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestTooLargeError(f"the request body is larger than this server's limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-#: Union members in a validation error's location (``str``, ``list[TextPart]``): not field names.
-_TYPE_TAG = re.compile(r"^(?:[A-Z]\w*|str|int|float|bool|none|list\[.*\]|function-\w+\[.*\])$")
-
-
-def _where(loc: tuple[int | str, ...]) -> str:
-    return ".".join(str(part) for part in loc if not (isinstance(part, str) and _TYPE_TAG.match(part)))
-
-
-def _parse(model: type[_Model], body: bytes) -> _Model:
-    """``body`` as ``model``, or an ``InvalidRequestError`` naming the fields at fault (at most 3)."""
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        errors = e.errors(include_url=False, include_input=False, include_context=False)
-        first = errors[0]
-        if first["type"] == "json_invalid":
-            raise InvalidRequestError(f"the request body is not JSON: {first['msg']}",
-                                      hint="send one JSON object, UTF-8 encoded") from e
-        if first["type"] == "model_type" and not first["loc"]:
-            raise InvalidRequestError("the request body must be a JSON object", hint="send one JSON object") from e
-        # A union (a string or a list of parts) fails once per member: name each field once.
-        seen: dict[str, str] = {}
-        for error in errors:
-            seen.setdefault(_where(error["loc"]) or "body", error["msg"])
-        named = list(seen.items())[:3]
-        raise InvalidRequestError("invalid request: " + "; ".join(f"{where}: {msg}" for where, msg in named),
-                                  param=named[0][0]) from e
-
-
-#: The request fields kvgraft reads only to refuse (400, ``unsupported_parameter``), what each asks
-#: for, and the values that ask for nothing (what a client sends by default), which pass.
-UNSERVED_FIELDS: dict[str, tuple[str, tuple[object, ...]]] = {
-    "tools": ("tool calls", ([],)),
-    "tool_choice": ("tool calls", ("none",)),
-    "functions": ("function calls", ([],)),
-    "function_call": ("function calls", ("none",)),
-    "response_format": ("a structured response format", ({"type": "text"},)),
-    "logprobs": ("log probabilities", (False,)),
-    "top_logprobs": ("log probabilities", (0,)),
-    "logit_bias": ("biased logits", ({},)),
-    "echo": ("the prompt echoed back", (False,)),
-    "suffix": ("text inserted before a suffix", ("",)),
-    "best_of": ("several candidates ranked", (1,)),
-    "presence_penalty": ("penalties on tokens already present", (0, 0.0)),
-    "frequency_penalty": ("penalties on frequent tokens", (0, 0.0)),
-}
-
-
-def _asks_for_nothing(value: object, defaults: tuple[object, ...]) -> bool:
-    # Compared with their types: 0 is not False, so "logprobs": 0 still asks for log probabilities.
-    return value is None or any(type(value) is type(ok) and value == ok for ok in defaults)
-
-
-def _check_sampling(served: _Served, req: ChatCompletionRequest | CompletionRequest) -> None:
-    for name, (what, defaults) in UNSERVED_FIELDS.items():
-        if not _asks_for_nothing(getattr(req, name), defaults):
-            raise InvalidRequestError(
-                f"{name} is not served: kvgraft answers with plain text only, without {what}; "
-                "it refuses the field rather than answer a different request than the one sent",
-                hint=f"leave {name} out", param=name, code="unsupported_parameter",
-            )
-    if req.model != served.name:
-        raise ModelNotServedError(f"the model {req.model[:80]!r} is not served here; this server serves {served.name!r}",
-                                  param="model")
-    if (req.n or 1) > 1 and req.stream:
-        raise InvalidRequestError(f"n {req.n} is served only without streaming: a stream carries one choice",
-                                  hint="leave n out (or send 1) to stream, or leave stream out", param="n",
-                                  code="unsupported_value")
-
-
-def _sampling(req: ChatCompletionRequest | CompletionRequest) -> Sampling:
-    """The request's sampling: greedy for temperature absent or 0 (``top_p`` and ``seed`` play no
-    part then); otherwise sampled with ``seed``, or a seed drawn here when none was sent, which
-    the answer reports (``kvgraft.seed``) so that it can be drawn again."""
-    if not req.temperature:
-        return GREEDY
-    seed = req.seed if req.seed is not None else secrets.randbelow(MAX_SEED + 1)
-    return Sampling(req.temperature, req.top_p if req.top_p is not None else 1.0, seed)
-
-
-def _chat_question(req: ChatCompletionRequest) -> tuple[str, str]:
-    """The question, the last ``user`` message's content (a string, or its text parts joined by
-    newlines), and the field it came from."""
-    for n in range(len(req.messages) - 1, -1, -1):
-        message = req.messages[n]
-        if message.role != "user":
-            continue
-        content = message.content
-        if content is None:
-            raise InvalidRequestError(f"messages.{n}: the last user message has no content", param=f"messages.{n}.content")
-        if isinstance(content, str):
-            return _question(content, f"messages.{n}.content")
-        texts = []
-        for i, part in enumerate(content):
-            if part.type != "text" or part.text is None:
-                raise InvalidRequestError(
-                    f"messages.{n}.content.{i}: a {part.type[:40]!r} part; only text parts ({{\"type\": \"text\", \"text\": ...}}) are served",
-                    param=f"messages.{n}.content.{i}",
-                )
-            texts.append(part.text)
-        return _question("\n".join(texts), f"messages.{n}.content")
-    raise InvalidRequestError("messages holds no user message: the question is the last user message's content",
-                              hint='add {"role": "user", "content": "..."}', param="messages")
-
-
-def _question(text: str, param: str) -> tuple[str, str]:
-    if not text.strip():
-        raise InvalidRequestError(f"{param}: the question is empty", hint="ask a question with some text", param=param)
-    return text, param
 
 
 async def _wait(request: Request[Any, Any, Any], job: _Job, event: anyio.Event) -> None:
@@ -651,7 +577,7 @@ async def _answer(request: Request[Any, Any, Any], question: tuple[str, str], re
     served = _served(request)
     settings = served.config.settings
     job = _Job(question[0], param=question[1], max_tokens=max_tokens or settings.default_max_tokens, stops=_stops(req.stop),
-               stream=bool(req.stream), timeout=settings.request_timeout, sampling=_sampling(req), n=req.n or 1)
+               stream=bool(req.stream), timeout=settings.request_timeout, sampling=sampling_of(req), n=req.n or 1)
     served.admit(job, _client(request))
     ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     created = int(time.time())
@@ -770,19 +696,19 @@ async def health(request: Request[Any, Any, Any]) -> dict[str, Any]:
 async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
     """A chat completion: the question is the last user message's content; other messages are ignored."""
     served = _served(request)
-    req = _parse(ChatCompletionRequest, await _read_body(request, served.config.settings.max_body_bytes))
-    _check_sampling(served, req)
-    return await _answer(request, _chat_question(req), req, req.max_completion_tokens or req.max_tokens, chat=True)
+    req = parse_request(ChatCompletionRequest, await read_body(request, served.config.settings.max_body_bytes))
+    check_request(served.name, req)
+    return await _answer(request, chat_question(req), req, req.max_completion_tokens or req.max_tokens, chat=True)
 
 
 @post("/v1/completions", request_max_body_size=None, status_code=200)
 async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     """A completion: the question is ``prompt`` (a string, or a list of one string)."""
     served = _served(request)
-    req = _parse(CompletionRequest, await _read_body(request, served.config.settings.max_body_bytes))
-    _check_sampling(served, req)
+    req = parse_request(CompletionRequest, await read_body(request, served.config.settings.max_body_bytes))
+    check_request(served.name, req)
     prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
-    return await _answer(request, _question(prompt, "prompt"), req, req.max_tokens, chat=False)
+    return await _answer(request, question_of(prompt, "prompt"), req, req.max_tokens, chat=False)
 
 
 # --- errors --------------------------------------------------------------------------------------

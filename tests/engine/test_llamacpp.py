@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -246,5 +247,47 @@ def test_engine_serve_decodes_concurrent_base_answers_together(tmp_path: Path) -
             assert int(dict(a["usage"])["completion_tokens"]) > 0  # type: ignore[arg-type]
         texts = [list(a["choices"])[0]["text"] for a in answers]  # type: ignore[call-overload]
         assert all(texts)
+    finally:
+        server.stop()
+
+
+def test_engine_serve_on_llamacpp_regression_a_request_waited_for_the_whole_batch(tmp_path: Path) -> None:
+    """Was: a request that arrived while others decoded waited until the whole batch ended. Now
+    it joins the running llama.cpp batch at the next step (continuous batching) and is answered
+    when its own decode ends: a short request sent while a long one streams finishes first, and
+    the long one, streamed to the end, is whole."""
+    import threading
+
+    import httpx
+
+    from tests.engine.test_engine_serve import EngineServer
+    server = EngineServer(tmp_path / "serve.log", "--model", "smollm2-135m", "--profile", "llamacpp-cpu")
+    try:
+        server.wait_ready(timeout=300)
+        finished: dict[str, float] = {}
+        long_text: list[str] = []
+        streaming = threading.Event()
+
+        def long() -> None:
+            body = {"model": "smollm2-135m", "prompt": "Once upon a time, in a small house by the sea, there lived", "max_tokens": 400,
+                    "temperature": 0, "stream": True}
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=300) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        streaming.set()
+                        long_text.append(line)
+            finished["long"] = time.monotonic()
+
+        t = threading.Thread(target=long)
+        t.start()
+        assert streaming.wait(120), "the long request never streamed"
+        short = httpx.post(f"{server.url}/v1/completions", timeout=300,
+                           json={"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0})
+        finished["short"] = time.monotonic()
+        t.join(300)
+        assert short.status_code == 200 and int(short.json()["usage"]["completion_tokens"]) >= 1
+        assert "long" in finished and finished["short"] < finished["long"], finished
+        assert len(long_text) > 20  # the long answer went on decoding after the short one joined and left
     finally:
         server.stop()
