@@ -105,7 +105,7 @@ def table() -> list[str]:
                 f"{s['recall_p50_s']:.3f} s; {s['base_over_recall_p50']:.1f}x (llama.cpp base / recall {s['llama_over_recall_p50']:.1f}x)", target)
     r = _load("llamacpp")
     if r:
-        for row in r["rows"]:
+        for row in r.get("rows", []):
             for n, ratio in row["decode_ratio"].items():
                 add("llamacpp", f"engine (llamacpp-cpu) / llama.cpp decode tokens/s, {n} seq, {row['model']}", f"{ratio:.2f}x",
                     f">= {r['target']['decode_ratio_min']:g}x")
@@ -114,6 +114,14 @@ def table() -> list[str]:
         for row in r.get("serve", []):
             add("llamacpp", f"engine serve / llama-server tokens/s, {row['clients']} clients, {row['model']}", f"{row['serve_ratio']:.2f}x",
                 f">= {r['target']['serve_ratio_min']:g}x")
+            if "recall" in row:
+                add("llamacpp", f"recalled answer p50, 1 client, {row['model']}", f"{row['recall']['p50_s']:.3f} s",
+                    f"<= {r['target'].get('recall_p50_s_max', 0.3):g} s")
+        for t in r.get("ttft", []):
+            for row in t["rows"]:
+                add("llamacpp", f"graft TTFT / llama.cpp state restore, {row['prefix_tokens']} tokens, {t['model']}",
+                    f"{row['graft_over_llama_restore']:.2f}x (verification {row['graft_phases_median_s']['load']:.3f} s)",
+                    f"<= {r['target'].get('graft_over_llama_restore_max', 1.1):g}x")
     r = _load("verifier_throughput")
     if r:
         add("verifier_throughput", "verifier hashing / sha256sum", f"{r['hashing']['ratio_verifier_over_sha256sum']:.2f}x", ">= 0.8x")

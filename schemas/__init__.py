@@ -153,6 +153,7 @@ from ._internal.records import (
     ReplayPredicate,
     ReplayStatement,
 )
+from ._internal.slot import SLOT_PREDICATE, SlotCache, SlotPredicate, SlotStatement
 from ._internal.statement import STATEMENT_TYPE, Contract, Statement, Subject, SubjectDigest
 from ._internal.wire import (
     DIGEST_PATTERN,
@@ -215,7 +216,7 @@ __all__ = [
     "KV_ARTIFACT_PREDICATE", "KvArtifactPredicate", "KvArtifactStatement", "LogitsFiles",
     "ModelRef", "PRE_REGISTRATION_PREDICATE", "PositionRange", "PreRegistrationPredicate",
     "PreRegistrationRef", "PreRegistrationStatement", "REPLAY_PREDICATE", "ReplayPredicate",
-    "ReplayStatement", "SCHEMA_FILES", "STATEMENT_MODELS", "STATEMENT_TYPE", "SchemaError",
+    "ReplayStatement", "SLOT_PREDICATE", "SlotCache", "SlotPredicate", "SlotStatement", "SCHEMA_FILES", "STATEMENT_MODELS", "STATEMENT_TYPE", "SchemaError",
     "Sha256Digest", "Sha256Hex", "Signature", "SourceText", "Statement", "Subject",
     "SubjectDigest", "TokenSpan", "canonical_json", "canonical_model", "hex_of",
     "json_schema_text", "parse_document", "parse_json", "parse_sha256", "parse_sha256_hex",

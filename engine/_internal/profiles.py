@@ -186,6 +186,26 @@ PROFILES: dict[str, ProfileSettings] = {
 #: The profile a command runs under when none is named: the fast own-position one. ``cpu-fp32``
 #: (eager attention, the repeated K/V heads materialised) stays for the artifacts made under it.
 DEFAULT_PROFILE = "cpu-fp32-sdpa"
+#: The profile the flywheel and ``engine serve`` run under when none is named (a new library's
+#: deposits, an evaluation without a library, a server without one): llama.cpp on the GGUF, which
+#: decodes 3-5x faster than the torch profiles on these CPUs (bench/results/llamacpp.json).
+#: Where llama-cpp-python is not installed they fall back to ``DEFAULT_PROFILE`` (``flywheel_profile``).
+FLYWHEEL_PROFILE = "llamacpp-cpu"
+
+
+def flywheel_profile(model: str) -> str:
+    """``FLYWHEEL_PROFILE`` for ``model`` where the pinned llama-cpp-python is installed and the
+    model has a GGUF file; else ``DEFAULT_PROFILE`` (a model built in code, or no llama.cpp).
+
+    Only for commands that make new state (a new library, an evaluation or a server without a
+    library): what already exists keeps the profile it was made under (a library's metadata).
+    """
+    from . import llamacpp
+    from .models import spec_for
+
+    return FLYWHEEL_PROFILE if llamacpp.installed() and spec_for(model).gguf_file is not None else DEFAULT_PROFILE
+
+
 #: Short names accepted wherever a profile is named (``--profile invariant``).
 PROFILE_ALIASES: dict[str, str] = {
     "invariant": "cpu-fp32-invariant", "default": DEFAULT_PROFILE, "eager": "cpu-fp32", "kv16": "cpu-fp32-kv16",

@@ -29,15 +29,15 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
 from kvgraft.schemas import (
+    SLOT_PREDICATE,
     KvgraftError,
     Sha256Digest,
-    Statement,
+    SlotCache,
+    SlotPredicate,
+    SlotStatement,
     Subject,
     SubjectDigest,
-    canonical_json,
     hex_of,
     sha256_bytes,
     sha256_file,
@@ -56,8 +56,6 @@ from kvgraft.verifier import (
 from .errors import ArtifactError, EngineError
 from .llamacpp import decode_state
 
-#: The predicate type of a signed slot.
-SLOT_PREDICATE = "https://kvgraft.dev/llama-slot/v1"
 #: ``LLAMA_FILE_MAGIC_GGSQ`` and the one version of the slot format this build writes.
 SLOT_MAGIC = 0x67677371
 SLOT_VERSION = 3
@@ -72,33 +70,6 @@ class SlotError(EngineError):
     """A slot file, its signature or its binding to a server does not check out."""
 
     default_hint = "save the slot again from the server that is to restore it, and sign it: kvgraft slot sign"
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
-
-
-class SlotCache(_Model):
-    """One KV cache of the slot: how many cells, layers and bytes per row, and which positions."""
-
-    cells: int = Field(ge=0)
-    layers: int = Field(ge=0)
-    key_row_bytes: int = Field(ge=0)
-    value_row_bytes: int = Field(ge=0)
-    positions_digest: Sha256Digest
-
-
-class SlotPredicate(_Model):
-    """What a signed slot binds (module docstring)."""
-
-    gguf_sha256: Sha256Digest
-    gguf_file: str
-    build_info: str = Field(min_length=1)
-    format_version: int
-    tokens: list[int]
-    tokens_digest: Sha256Digest
-    caches: list[SlotCache]
-    created: str
 
 
 @dataclass(frozen=True)
@@ -205,8 +176,8 @@ def sign_slot(slot: Path, server: ServerIdentity, key: Path, passphrase: bytes |
         gguf_sha256=server.gguf_sha256, gguf_file=server.gguf_file.name, build_info=server.build_info,
         format_version=parsed.version, tokens=parsed.tokens, tokens_digest=token_digest(parsed.tokens), caches=parsed.caches,
         created=dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
-    statement = Statement(subject=[Subject(name=slot.name, digest=SubjectDigest(sha256=hex_of(sha256_file(slot))))],
-                          predicate_type=SLOT_PREDICATE, predicate=json.loads(canonical_json(predicate.model_dump(mode="json"))))
+    statement = SlotStatement(subject=[Subject(name=slot.name, digest=SubjectDigest(sha256=hex_of(sha256_file(slot))))],
+                              predicate=predicate)
     with open_signing_key(key, passphrase) as signer:
         envelope = sign_statement(statement, [signer])
         keyid = signer.keyid
@@ -242,10 +213,9 @@ def verify_slot(slot: Path, trusted: TrustedKeys, server: ServerIdentity) -> Ver
     if hex_of(digest) != statement.subject[0].digest.sha256:
         raise SlotError(f"{slot} has digest {digest}, but its signature says sha256:{statement.subject[0].digest.sha256}",
                         hint="the slot file was altered after it was signed: save it again from the server")
-    try:
-        predicate = SlotPredicate.model_validate(statement.predicate, strict=False)
-    except ValidationError as e:
-        raise SlotError(f"{envelope_file.name}'s predicate is not a slot's: {e.errors()[0]['msg']}") from e
+    if not isinstance(statement, SlotStatement):
+        raise SlotError(f"{envelope_file.name}'s statement is not a signed slot's")
+    predicate = statement.predicate
     parsed = read_slot(slot)
     if parsed.caches != predicate.caches or parsed.tokens != predicate.tokens:
         raise SlotError(f"{slot}'s structure differs from what its signature says")

@@ -48,11 +48,16 @@ def add_key_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--passphrase-env", metavar="VAR", help="the key's passphrase is in this environment variable")
 
 
-def add_profile_option(p: argparse.ArgumentParser) -> None:
-    """``--profile``: the determinism profile the command runs under."""
-    p.add_argument("--profile", default=None,
-                   help="determinism profile (default: the engine's default, the fast own-position cpu-fp32-sdpa; "
-                        "cpu-fp32 is the eager one; docs/architecture.md lists them all)")
+def add_profile_option(p: argparse.ArgumentParser, *, flywheel: bool = False) -> None:
+    """``--profile``: the determinism profile the command runs under; ``flywheel``: the command
+    makes new flywheel state (a library, an evaluation, a server), whose default is llama.cpp's."""
+    if flywheel:
+        help = ("determinism profile (default: llamacpp-cpu, llama.cpp on the GGUF, where llama-cpp-python is built, "
+                "else cpu-fp32-sdpa; an existing library keeps its own; docs/architecture.md lists them all)")
+    else:
+        help = ("determinism profile (default: the engine's default, the fast own-position cpu-fp32-sdpa; "
+                "llamacpp-cpu runs llama.cpp on the GGUF; docs/architecture.md lists them all)")
+    p.add_argument("--profile", default=None, help=help)
 
 
 def resolve_trust(args: argparse.Namespace) -> Trust:
@@ -90,13 +95,14 @@ def load_verified(directory: Path, model: AnyModel, profile: DeterminismProfile,
     return load_artifact(directory, model, profile, trusted=trust.keys, insecure_skip_verify=trust.skip)
 
 
-def model_and_profile(name: str, profile: str | None) -> tuple[AnyModel, DeterminismProfile]:
+def model_and_profile(name: str, profile: str | None, *, flywheel: bool = False) -> tuple[AnyModel, DeterminismProfile]:
     """Model ``name`` (loaded from its cache) and the determinism profile ``profile`` (None: the
-    default) of this machine. The profile first: it refuses a machine it cannot run on before
-    loading runs a single kernel (one of a level the CPU lacks would die of SIGILL)."""
-    from kvgraft.engine import current_profile, load_model_for
+    default, ``flywheel_profile()`` for a command that makes new flywheel state) of this machine.
+    The profile first: it refuses a machine it cannot run on before loading runs a single kernel
+    (one of a level the CPU lacks would die of SIGILL)."""
+    from kvgraft.engine import current_profile, flywheel_profile, load_model_for
 
-    checked = current_profile(profile)
+    checked = current_profile(flywheel_profile(name) if profile is None and flywheel else profile)
     return load_model_for(name, checked), checked
 
 
@@ -238,7 +244,7 @@ def _cmd_exactness(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_engine_serve(args: argparse.Namespace) -> dict[str, Any]:
-    from kvgraft.engine import ServeConfig, ServeSettings, current_profile, serve_engine
+    from kvgraft.engine import ServeConfig, ServeSettings, current_profile, flywheel_profile, read_meta, serve_engine
 
     libraries = tuple(args.library or ())
     # Only libraries hold artifacts to graft: without one there is nothing to verify.
@@ -246,7 +252,12 @@ def _cmd_engine_serve(args: argparse.Namespace) -> dict[str, Any]:
     settings = ServeSettings(max_queue=args.max_queue, request_timeout=args.request_timeout,
                              max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens)
     # The profile's canonical name (an alias resolved), as the libraries' metadata records it.
-    config = ServeConfig(model=args.model, profile=current_profile(args.profile).name, libraries=libraries, trust=trust,
+    # None named: the libraries' own (the first's; the server refuses libraries that disagree),
+    # else the flywheel's default.
+    named = args.profile
+    if named is None:
+        named = str(read_meta(libraries[0])["profile"]) if libraries else flywheel_profile(args.model)
+    config = ServeConfig(model=args.model, profile=current_profile(named).name, libraries=libraries, trust=trust,
                          settings=settings)
     started = serve_engine(config, host=args.host, port=args.port, log_level=args.log_level)
     if not started:
@@ -329,7 +340,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     srv.add_argument("--library", type=Path, action="append", metavar="DIR",
                      help="a library to answer from (repeatable: an exact hit in any wins, else the most similar entry)")
     add_trust_options(srv)
-    add_profile_option(srv)
+    add_profile_option(srv, flywheel=True)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     srv.add_argument("--max-queue", type=int, default=16, metavar="N",

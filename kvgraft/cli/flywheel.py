@@ -77,14 +77,19 @@ def _solutions(args: argparse.Namespace, dataset: Dataset) -> dict[int, str]:
 
 
 def _cmd_deposit(args: argparse.Namespace) -> dict[str, Any]:
-    from kvgraft.engine import Library, select
+    from kvgraft.engine import Library, read_meta, select
     from kvgraft.verifier import load_dataset
 
     dataset = load_dataset(args.dataset)
     solutions = _solutions(args, dataset)
-    model, profile = model_and_profile(args.model, args.profile)
+    exists = (args.library / LIBRARY_FILE).exists()
+    if exists and args.profile is None:
+        # More entries for an existing library: under the profile it was made with.
+        model, profile = model_and_profile(args.model, str(read_meta(args.library)["profile"]))
+    else:
+        model, profile = model_and_profile(args.model, args.profile, flywheel=True)
     key, passphrase, _ = signing_key(args)
-    if (args.library / LIBRARY_FILE).exists():
+    if exists:
         # New entries chain onto the library's prefix: it is verified before it is built on.
         trust = resolve_trust(args)
         library = Library.open(args.library, model, profile, trusted=trust.keys, insecure_skip_verify=trust.skip)
@@ -280,7 +285,7 @@ def _cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         if args.graft_threshold is not None:
             raise CliError("--graft-threshold is for answering from a library, but no --library was given",
                            hint="pass --library DIR with it, or leave it out")
-        model, profile = model_and_profile(args.model, args.profile)
+        model, profile = model_and_profile(args.model, args.profile, flywheel=True)
     key, passphrase, _ = signing_key(args)
 
     def item(n: int, total: int, it: EvaluationItem) -> None:
@@ -393,7 +398,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                      help="for datasets without worked solutions: store the key's answer as the solution")
     dep.add_argument("--limit", type=int, help="deposit only the first N problems (or N drawn with --seed)")
     dep.add_argument("--seed", type=int, help="draw --limit problems with this seed (default: the first N)")
-    add_profile_option(dep)
+    add_profile_option(dep, flywheel=True)
     add_key_options(dep)
     add_trust_options(dep)
     add_registry_options(dep, required=False)
@@ -435,7 +440,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     ev.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="decode budget per problem (default 256)")
     ev.add_argument("--limit", type=int, help="the first N problems (or N drawn with --seed)")
     ev.add_argument("--seed", type=int, help="draw --limit problems with this seed")
-    add_profile_option(ev)
+    add_profile_option(ev, flywheel=True)
     add_trust_options(ev)
     add_key_options(ev)
 

@@ -17,6 +17,7 @@ from kvgraft.schemas import (
     KV_FILE,
     PRE_REGISTRATION_PREDICATE,
     REPLAY_PREDICATE,
+    SLOT_PREDICATE,
     STATEMENT_MODELS,
     Envelope,
     EvaluationStatement,
@@ -60,8 +61,9 @@ KINDS: dict[str, str] = {
     EVALUATION_PREDICATE: "evaluation",
     PRE_REGISTRATION_PREDICATE: "pre-registration",
     REPLAY_PREDICATE: "replay",
+    SLOT_PREDICATE: "slot",
 }
-RECORD_KINDS = ("exactness", "evaluation", "pre-registration", "replay")
+RECORD_KINDS = ("exactness", "evaluation", "pre-registration", "replay", "slot")
 
 
 def kind_of_filter(value: str) -> str:

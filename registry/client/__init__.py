@@ -74,6 +74,7 @@ from .mirror import MirrorResult, mirror
 from .progress import Progress
 from .publish import MAX_CHAIN, PublishResult, publish
 from .pull import PullResult, pull
+from .records import RecordPullResult, pull_record
 from .store import (
     MAX_ENVELOPE_BYTES,
     LocalEntry,
@@ -110,6 +111,6 @@ __all__ = [
     "AmbiguousDigestError", "RegistryAuthError", "RegistryClient", "RegistryClientError", "RegistryKey", "RegistryNotFoundError",
     "RegistryResponseError", "RegistryUnavailableError", "RememberedHead", "ResponseTooLargeError", "STATEMENT_FILE",
     "commit", "envelope_file", "find_local_artifact", "kvgraft_home", "local_write_error", "mirror", "parse_json_answer",
-    "publish", "pull", "read_local", "registry_key", "safe_path", "stage", "statement_of",
+    "publish", "pull", "pull_record", "RecordPullResult", "read_local", "registry_key", "safe_path", "stage", "statement_of",
     "DEFAULT_WITNESS_WAIT", "UnwitnessedCheckpointError", "WITNESS_POLICY_ENV", "witness_policy_from",
 ]

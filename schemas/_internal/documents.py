@@ -22,6 +22,7 @@ from .records import (
     PreRegistrationStatement,
     ReplayStatement,
 )
+from .slot import SLOT_PREDICATE, SlotStatement
 from .statement import Statement
 
 M = TypeVar("M", bound=BaseModel)
@@ -33,6 +34,7 @@ STATEMENT_MODELS: dict[str, type[Statement]] = {
     EVALUATION_PREDICATE: EvaluationStatement,
     PRE_REGISTRATION_PREDICATE: PreRegistrationStatement,
     REPLAY_PREDICATE: ReplayStatement,
+    SLOT_PREDICATE: SlotStatement,
 }
 
 #: file stem under schemas/json/ -> model. The files are generated; a test fails when stale.
@@ -44,6 +46,7 @@ SCHEMA_FILES: dict[str, type[BaseModel]] = {
     "evaluation": EvaluationStatement,
     "pre-registration": PreRegistrationStatement,
     "replay": ReplayStatement,
+    "llama-slot": SlotStatement,
 }
 
 JSON_DIR = Path(__file__).resolve().parent.parent / "json"

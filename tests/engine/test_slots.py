@@ -13,11 +13,12 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvgraft.engine import SlotError, locate_gguf, read_slot, server_binary, server_identity, spec_for, verify_slot
 from kvgraft.verifier import load_trusted_keys
-from tests.processes import free_port
+from tests.processes import KvgraftProcess, free_port
 
 pytest.importorskip("llama_cpp", reason="make install builds llama.cpp (scripts/setup_llama_cpp.sh)")
 
@@ -155,3 +156,68 @@ def test_a_file_that_is_not_a_slot_is_refused(tmp_path: Path) -> None:
         read_slot(tmp_path / "x.bin")
     with pytest.raises(SlotError, match="does not exist"):
         read_slot(tmp_path / "missing.bin")
+
+
+class RegistryServer(KvgraftProcess):
+    """``kvgraft serve`` on 127.0.0.1 over a new data directory; always stopped by ``stop``."""
+
+    what = "registry"
+
+    def __init__(self, data: Path) -> None:
+        port = free_port()
+        super().__init__(["serve", "--data", str(data), "--init", "--port", str(port), "--log-level", "warning"],
+                         data.with_name("registry.log"), port)
+
+    def ready(self) -> bool:
+        return httpx.get(self.url + "/v1/log/checkpoint", timeout=2).status_code == 200
+
+
+def test_a_slot_published_to_a_registry_is_pulled_into_a_server_verified_and_restored(
+        smollm2_server: LlamaServer, key: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    prompt = "A registry keeps slots for other servers:"
+    slot = _saved(smollm2_server, prompt, "shared.bin")
+    assert kvgraft("slot", "sign", str(slot), "--server", smollm2_server.url, "--key", str(key))["ok"] is True
+    original = slot.read_bytes(), slot.with_name("shared.bin.dsse.json").read_bytes()
+    trusted = _trusted(key, tmp_path)
+    registry = RegistryServer(tmp_path / "registry")
+    try:
+        registry.wait_ready()
+        made = kvgraft("token", "create", "--data", str(tmp_path / "registry"), "--publisher", "alice",
+                       "--key", str(key.with_name("k.pem.pub")))
+        monkeypatch.setenv("KVGRAFT_TOKEN", str(made["token"]))
+        reg = ["--registry", registry.url, "--registry-key", str(tmp_path / "registry" / "registry-key.pub.pem")]
+        published = kvgraft("slot", "publish", str(slot), *reg)
+        assert published["ok"] is True, published
+        assert published["predicate_type"] == "https://kvgraft.dev/llama-slot/v1" and published["created"] is True
+        # Gone from the server's slot directory; pulled back into it, checked on the way.
+        slot.unlink()
+        slot.with_name("shared.bin.dsse.json").unlink()
+        pulled = kvgraft("slot", "pull", str(published["entry_digest"]), *reg, "--out", str(smollm2_server.slots),
+                         "--trusted-keys", str(trusted))
+        assert pulled["ok"] is True, pulled
+        assert "signature verified: signed by alice" in str(pulled["summary"])
+        assert (slot.read_bytes(), slot.with_name("shared.bin.dsse.json").read_bytes()) == original
+        smollm2_server.post("/slots/0?action=erase", {})
+        checked = kvgraft("slot", "verify", str(slot), "--server", smollm2_server.url, "--trusted-keys", str(trusted), "--restore", "0")
+        assert checked["ok"] is True, checked
+        body = {"prompt": prompt + " one", "n_predict": 6, "cache_prompt": True, "id_slot": 0, "temperature": 0}
+        warm = smollm2_server.post("/completion", body)
+        assert int(dict(warm["timings"])["cache_n"]) >= 5  # type: ignore[arg-type]
+        smollm2_server.post("/slots/0?action=erase", {})
+        assert smollm2_server.post("/completion", body)["content"] == warm["content"]
+        # Pulled again by log index into the same directory: refused, nothing overwritten or left behind.
+        again = kvgraft("slot", "pull", str(published["log_index"]), *reg, "--out", str(smollm2_server.slots))
+        assert again["ok"] is False and "already exists" in str(again["message"])
+        assert slot.read_bytes() == original[0]
+        assert not [p for p in smollm2_server.slots.iterdir() if p.name.startswith(".kvgraft-slot-pull")]
+        # Against keys that do not name alice: refused with the reason, nothing written.
+        subprocess.run([sys.executable, "-m", "kvgraft", "keys", "generate", "--out", str(tmp_path / "bob.pem")], check=True,
+                       capture_output=True, timeout=60)
+        bob = tmp_path / "bob.json"
+        subprocess.run([sys.executable, "-m", "kvgraft", "keys", "trust", "--file", str(bob), "--name", "bob",
+                        "--public-key", str(tmp_path / "bob.pem.pub")], check=True, capture_output=True, timeout=60)
+        refused = kvgraft("slot", "pull", "0", *reg, "--out", str(tmp_path / "elsewhere"), "--trusted-keys", str(bob))
+        assert refused["ok"] is False and refused["error"] == "EnvelopeSignatureError", refused
+        assert not list((tmp_path / "elsewhere").iterdir())
+    finally:
+        registry.stop()

@@ -37,6 +37,8 @@ def record_summary(kind: str, payload: dict[str, Any]) -> str:
         if kind == "replay":
             ref = p["pre_registration"]
             return f"answers entry {ref['log_index']}: {'reproduced' if p['reproduced'] else 'NOT reproduced'}"
+        if kind == "slot":
+            return f"llama-server slot of {len(p['tokens'])} tokens, {p['gguf_file']} ({p['build_info']})"
     except (KeyError, TypeError, ValueError, ArithmeticError):
         # ArithmeticError: a number no float holds (an int beyond 1.8e308) in a format.
         return "(summary unreadable; open the record)"
