@@ -48,5 +48,5 @@ class SlotStatement(Statement):
     """An in-toto statement whose only subject is a llama-server slot file."""
 
     predicate_type: Literal["https://kvgraft.dev/llama-slot/v1"] = Field(default=SLOT_PREDICATE, alias="predicateType")
-    subject: list[Subject] = Field(min_length=1, max_length=1)  # type: ignore[assignment]
+    subject: list[Subject] = Field(min_length=1, max_length=1)
     predicate: SlotPredicate  # type: ignore[assignment]
