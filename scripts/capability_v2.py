@@ -58,6 +58,20 @@ def log(message: str) -> None:
     sys.stderr.flush()
 
 
+#: ``--pause-while FILE``: between items, wait while FILE exists (another job's timing runs).
+PAUSE_FILE: list[Path] = []
+
+
+def pause_while() -> None:
+    """Wait while the ``--pause-while`` file exists (checked between items: the decoding stops,
+    its threads idle; the journals keep everything finished)."""
+    if PAUSE_FILE and PAUSE_FILE[0].exists():
+        log(f"paused while {PAUSE_FILE[0]} exists")
+        while PAUSE_FILE[0].exists():
+            time.sleep(30)
+        log("resumed")
+
+
 def arm_names(k: int) -> tuple[str, str, str]:
     """The three arms' names: base, self-consistency@k, flywheel."""
     return "base", f"self-consistency@{k}", "flywheel"
@@ -248,6 +262,7 @@ def part_library(args: argparse.Namespace, model: Any, profile: Any, key: Path) 
     if not source.exists():
         def item(n: int, total: int, it: Any) -> None:
             log(f"library-source {n + 1}/{total}: train doc {it.doc_id} {'right' if it.correct else 'wrong'} ({it.decode_tokens} tokens)")
+            pause_while()
 
         run_eval(model, profile, TRAIN, source, key=key, max_new_tokens=args.budget, batch=args.batch,
                  doc_ids=design.train.doc_ids, on_item=item)
@@ -267,6 +282,7 @@ def part_library(args: argparse.Namespace, model: Any, profile: Any, key: Path) 
     for n, doc in enumerate(right):
         entry = library.deposit(train, doc, outputs[doc], key=key)
         log(f"library deposit {n + 1}/{len(right)}: train doc {doc} {'ok' if entry is not None else 'refused'}")
+        pause_while()
     done.write_text(json.dumps({"entries": len(library.entries), "confirmed": len(right), "tried": len(p["items"])}) + "\n")
 
 
@@ -285,9 +301,11 @@ def part_arm(args: argparse.Namespace, arm: str, model: Any, profile: Any, key: 
 
     def item(n: int, total: int, it: Any) -> None:
         log(f"{arm} {n + 1}/{total}: doc {it.doc_id} {'right' if it.correct else 'wrong'} ({it.decode_tokens} tokens)")
+        pause_while()
 
     def sample(n: int, total: int) -> None:
         log(f"{arm} samples {n}/{total}")
+        pause_while()
 
     if arm == base:
         run = run_eval(model, profile, TEST, out, key=key, max_new_tokens=int(spec["max_new_tokens"]), limit=int(spec["limit"]),
@@ -411,7 +429,10 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / ".experiments" / "capability-v2")
     ap.add_argument("--key", type=Path, help="the signing key (default: $KVGRAFT_HOME/keys/capability.pem, made when missing)")
     ap.add_argument("--only", default=",".join(PARTS))
+    ap.add_argument("--pause-while", type=Path, metavar="FILE", help="between items, wait while FILE exists")
     args = ap.parse_args()
+    if args.pause_while is not None:
+        PAUSE_FILE.append(args.pause_while)
     parts = args.only.split(",")
     unknown = set(parts) - set(PARTS)
     if unknown:
