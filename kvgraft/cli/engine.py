@@ -344,7 +344,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     srv.add_argument("--max-queue", type=int, default=16, metavar="N",
-                     help="requests that may wait for the model besides the one it answers; past it 429 (default 16)")
+                     help="requests that may wait for the model besides those it answers (one at a time; up to 16 base "
+                          "answers at once under llamacpp-cpu without a library); past it 429 (default 16)")
     srv.add_argument("--request-timeout", type=float, default=120.0, metavar="S",
                      help="seconds a request may take, queue wait included; past it 504 and decoding stops (default 120)")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",

@@ -423,7 +423,11 @@ def busy(libs: Libraries) -> Iterator[EngineServer]:
     """A server without a library (the model's own answers run to max_tokens), one place in its
     queue and a short request timeout. SmolLM2, not the tiny model: the tiny model decodes to its
     window in about 2 s under the SDPA profile, before the timeout could bind."""
-    with engine_server(libs.root / "busy.log", "--model", BUSY_MODEL, "--max-queue", "1", "--request-timeout", "3") as running:
+    # The torch profile: these tests are about the one-at-a-time worker's queue. Without a
+    # --profile, smollm2-135m is served under llamacpp-cpu, whose base answers join one running
+    # llama.cpp batch (test_llamacpp.py tests that).
+    with engine_server(libs.root / "busy.log", "--model", BUSY_MODEL, "--profile", "cpu-fp32-sdpa", "--max-queue", "1",
+                       "--request-timeout", "3") as running:
         yield running
 
 
@@ -491,7 +495,8 @@ def test_client_fairness_regression_one_client_kept_everyone_else_at_429(libs: L
     # server with a long timeout: the hog's answer must still be decoding while the others ask.
     hog = {**_LONG, "max_tokens": 65536}
     answers: dict[str, Any] = {}
-    with engine_server(libs.root / "fair.log", "--model", BUSY_MODEL, "--max-queue", "1", "--request-timeout", "120") as fair:
+    with engine_server(libs.root / "fair.log", "--model", BUSY_MODEL, "--profile", "cpu-fp32-sdpa", "--max-queue", "1",
+                       "--request-timeout", "120") as fair:
         with _from("127.0.0.5") as http, http.stream("POST", fair.url + "/v1/completions", json=hog) as first:
             assert first.status_code == 200
             lines = first.iter_lines()
