@@ -203,7 +203,7 @@ show "$BIN/kvgraft-verify" replay "$OUT/replay" --pre-registration "$OUT/prereg"
 step "18. Pull everything back from the registry into a report folder and audit it offline"
 show "$BIN/kvgraft" report "${PIN[@]}" --out "$OUT/report" --trusted-keys "$OUT/trusted-keys.json" \
   --dataset "$AIME" --dataset "$GSM_TEST"
-show "$BIN/kvgraft-verify" audit "$OUT/report" > "$OUT/audit.txt" || { cat "$OUT/audit.txt"; echo "demo FAILED: the audit refuted something" >&2; exit 1; }
+show "$BIN/kvgraft-verify" audit "$OUT/report" --trusted-keys "$OUT/trusted-keys.json" --registry-key "$OUT/registry/registry-key.pub.pem" > "$OUT/audit.txt" || { cat "$OUT/audit.txt"; echo "demo FAILED: the audit refuted something" >&2; exit 1; }
 grep -c CONFIRMED "$OUT/audit.txt" | xargs -I{} echo "audit: {} figures and checks CONFIRMED, none refuted (all lines in $OUT/audit.txt)"
 grep -E "accuracy|decode_tokens|bitwise|reproduced" "$OUT/audit.txt" | head -20
 
