@@ -34,7 +34,7 @@ from ..service import Registry
 logger = logging.getLogger("kvgraft.registry")
 
 #: The datasets shipped with kvgraft: an evaluation over one of them shows its questions and expected answers.
-DATASETS_DIR = Path(__file__).resolve().parents[2] / "data" / "datasets"
+DATASETS_DIR = Path(__file__).resolve().parents[3] / "data" / "datasets"
 
 
 def stored_statement(envelope_bytes: bytes) -> Statement:

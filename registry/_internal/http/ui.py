@@ -705,7 +705,7 @@ async def record(request: Request[Any, Any, Any], digest: FromPath[str]) -> Resp
 @get("/entries/{ref:str}", guards=[_guard], include_in_schema=False)
 async def entry_redirect(request: Request[Any, Any, Any], ref: FromPath[str]) -> Redirect:
     """An entry by log index or digest: redirected to its artifact or record page."""
-    doc = await _run(_registry(request).entry, ref)
+    doc = await _run(_registry(request).reader.entry, ref)
     entry = doc["entry"]
     if entry["artifact"] is not None:
         return Redirect(path=f"/artifacts/{entry['artifact']['digest']}")
