@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from kvgraft.schemas import KvgraftError
+from kvgraft.schemas import KvgraftError, parse_sha256
 
 from .blocks import loadable_blocks
 from .errors import ConnectorConfigError, ExactnessRunError
@@ -224,7 +224,7 @@ def draw_prompts(tokenizer: Any, samples: int, seed: int, min_tokens: int, max_t
     for i in range(samples):
         target = min_tokens if samples == 1 else min_tokens + (i * (max_tokens - min_tokens)) // (samples - 1)
         j = rng.randrange(len(docs))
-        text, ids = "", []
+        text, ids = "", list[int]()
         while len(ids) < target:
             text += docs[j % len(docs)]
             j += 1
@@ -297,7 +297,7 @@ def _compare(index: int, ids: list[int], cold: tuple[list[int], np.ndarray], war
         digests.append(digest)
     c = compare_logits(cold[1], warm[1])
     return ExactnessSample(
-        index=index, prefix_artifact=artifact, prefix_tokens=len(ids),
+        index=index, prefix_artifact=parse_sha256(artifact), prefix_tokens=len(ids),
         continuation_digest=sha256_bytes(canonical_json(cold[0])), continuation_tokens=len(cold[0]),
         fresh_logits_sha256=digests[0], graft_logits_sha256=digests[1], bitwise_equal=digests[0] == digests[1],
         kl_divergence=c.kl_divergence, argmax_agreement=c.argmax_agreement,
@@ -412,7 +412,7 @@ def measure_connector(options: ExactnessOptions) -> dict[str, Any]:
             statement = ExactnessStatement(
                 subject=[Subject(name=logits_file_name(d), digest=SubjectDigest(sha256=hex_of(d))) for d in names],
                 predicate=ExactnessPredicate(
-                    model=ModelRef(name=options.model_name or _model_name(binding.model_name), weights_digest=weights,
+                    model=ModelRef(name=options.model_name or _model_name(binding.model_name), weights_digest=parse_sha256(weights),
                                    config_digest=binding.config_digest),
                     profile=profile, level="own-position", shift=0, vocab_size=vocab,
                     data_sources=[DatasetRef(name=name, digest=digest) for name, digest in refs], seed=options.seed,
