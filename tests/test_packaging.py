@@ -53,3 +53,5 @@ def test_packaging_regression_the_wheel_lacked_the_datasets(tmp_path: Path) -> N
     module = "kvgraft/engine/_internal/exactness.py"
     assert module in names
     assert 'Path(__file__).resolve().parents[2] / "data" / "datasets"' in zipfile.ZipFile(wheel).read(module).decode()
+    # The package says it is typed (PEP 561): a user's mypy reads its annotations.
+    assert "kvgraft/py.typed" in names, "the wheel lacks kvgraft/py.typed"
