@@ -328,10 +328,8 @@ class _Job:
                 if self.cancelled or self.timed_out:
                     break
             self.answer = self.answers[0]
-        except ContextWindowError as e:
-            self.error = _caused(PromptTooLongError(e.message, hint=e.hint, param=self.param), e)
         except InputTextError as e:
-            self.error = _caused(InvalidRequestError(e.message, hint=e.hint, param=self.param), e)
+            self.refuse(e)
         except KvgraftError as e:
             # Everything else the library raises is about its files: an artifact that does not verify
             # (signature, digest, lineage, the signed text) or an index that was altered. Never grafted.
@@ -341,6 +339,15 @@ class _Job:
         except Exception as e:
             logger.error("the model worker failed", exc_info=e)
             self.error = _caused(EngineServerError("the model worker failed to answer this request"), e)
+
+    def as_question(self) -> Question:
+        """This job's question as the decoder takes it: its budget, its stop rule, its sampling."""
+        return Question(self.question, max_new_tokens=self.max_tokens, stop=self.on_token, sampling=self.sampling)
+
+    def refuse(self, e: InputTextError) -> None:
+        """Keep the refusal of this job's question as the 400 to answer: past the window, or else invalid."""
+        error = PromptTooLongError if isinstance(e, ContextWindowError) else InvalidRequestError
+        self.error = _caused(error(e.message, hint=e.hint, param=self.param), e)
 
     # --- on the event loop --------------------------------------------------------------------------
 
@@ -438,8 +445,7 @@ def _run_together(first: _Job, jobs: MemoryObjectReceiveStream[_Job], served: _S
         for job in taken:
             job._served = served  # what on_token reads to stop when the server stops
             inflight.append(job)
-        return [(job, Question(job.question, max_new_tokens=job.max_tokens, stop=job.on_token, sampling=job.sampling))
-                for job in taken]
+        return [(job, job.as_question()) for job in taken]
 
     def answered(job: _Job, answer: Answer) -> None:
         job.answers = [answer]
@@ -447,8 +453,7 @@ def _run_together(first: _Job, jobs: MemoryObjectReceiveStream[_Job], served: _S
         anyio.from_thread.run_sync(job.finish)
 
     def refused(job: _Job, e: InputTextError) -> None:
-        job.error = _caused(PromptTooLongError(e.message, hint=e.hint, param=job.param) if isinstance(e, ContextWindowError)
-                            else InvalidRequestError(e.message, hint=e.hint, param=job.param), e)
+        job.refuse(e)
         anyio.from_thread.run_sync(job.finish)
 
     started = [False]
@@ -460,8 +465,7 @@ def _run_together(first: _Job, jobs: MemoryObjectReceiveStream[_Job], served: _S
                 return take(free)
             first._served = served
             inflight.append(first)
-            return [(first, Question(first.question, max_new_tokens=first.max_tokens, stop=first.on_token,
-                                     sampling=first.sampling))] + take(free - 1)
+            return [(first, first.as_question()), *take(free - 1)]
         return take(free)
 
     try:

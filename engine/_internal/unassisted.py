@@ -26,18 +26,30 @@ def ask_model(model: AnyModel, profile: DeterminismProfile, question: str, *, ma
     t0 = time.perf_counter()
     energy = EnergyMeter(parameters_of(model))
     energy.start()
+    ids = _question_ids(model, question)
+    decoded = continue_from(model, profile, None, ids, max_new_tokens=max_new_tokens, keep_eos=False, stop=stop,
+                            sampling=sampling)
+    joules, method = energy.stop(len(ids) + len(decoded.tokens))
+    return _answer(question, ids, decoded, sampling, time.perf_counter() - t0, joules, method)
+
+
+def _question_ids(model: AnyModel, question: str) -> list[int]:
+    """The question's tokens (after BOS); refused when none, or past the model's window."""
     ids = model.tokenizer.encode(question, first=True)
     if not ids:
         raise InputTextError("the question tokenizes to no tokens", hint="ask a question with some text")
     check_window(model, 0, ids)
-    decoded = continue_from(model, profile, None, ids, max_new_tokens=max_new_tokens, keep_eos=False, stop=stop,
-                            sampling=sampling)
-    joules, method = energy.stop(len(ids) + len(decoded.tokens))
+    return ids
+
+
+def _answer(question: str, ids: list[int], decoded: Decoded, sampling: Sampling, seconds: float, joules: float,
+            method: str) -> Answer:
+    """What the model alone answered (the module docstring's kind, and ``ask_model``'s fields)."""
     return Answer(
         question=question, kind="unassisted", finished=decoded.stopped_by == "eos", answer=None, text=decoded.text,
         prompt=question, entry=None, method="none", score=0.0,
         prompt_tokens=len(ids), decode_tokens=len(decoded.tokens), context_tokens=len(ids),
-        seconds=time.perf_counter() - t0, energy_joules=joules, energy_method=method, signature=NOTHING_GRAFTED,
+        seconds=seconds, energy_joules=joules, energy_method=method, signature=NOTHING_GRAFTED,
         stopped_by=decoded.stopped_by, seed=None if sampling.greedy else sampling.seed,
     )
 
@@ -85,11 +97,8 @@ def ask_model_stream(
         nonlocal processed, count
         made: list[DecodeJob] = []
         for key, q in more(free):
-            tokens = model.tokenizer.encode(q.question, first=True)
             try:
-                if not tokens:
-                    raise InputTextError("the question tokenizes to no tokens", hint="ask a question with some text")
-                check_window(model, 0, tokens)
+                tokens = _question_ids(model, q.question)
             except InputTextError as e:
                 on_refused(key, e)
                 continue
@@ -110,12 +119,6 @@ def ask_model_stream(
         joules, method = energy.stop(own)
         if method == "measured":
             joules *= own / max(processed - at, own)
-        on_answer(key, Answer(
-            question=q.question, kind="unassisted", finished=d.stopped_by == "eos", answer=None, text=d.text,
-            prompt=q.question, entry=None, method="none", score=0.0,
-            prompt_tokens=len(tokens), decode_tokens=len(d.tokens), context_tokens=len(tokens),
-            seconds=time.perf_counter() - t0, energy_joules=joules, energy_method=method,
-            signature=NOTHING_GRAFTED, stopped_by=d.stopped_by, seed=None if q.sampling.greedy else q.sampling.seed,
-        ))
+        on_answer(key, _answer(q.question, tokens, d, q.sampling, time.perf_counter() - t0, joules, method))
 
     decode_batch(model, profile, [], batch=batch, on_done=done, refill=jobs)

@@ -106,11 +106,9 @@ def _cmd_pull(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(staged, ignore_errors=True)
     slot = args.out / r.files[0]
-    signature = ("signature verified: signed by " + ", ".join(r.signers)) if r.signature_checked else \
-        "signature NOT checked (no --trusted-keys given)"
     return {**r.to_json(), "slot": str(slot),
             "summary": f"pulled slot {slot} (entry {r.log_index} of {r.registry}); its bytes hashed, inclusion at tree size "
-                       f"{r.tree_size} verified; {signature}\n  before restoring it: kvgraft slot verify {slot} --server URL "
+                       f"{r.tree_size} verified; {r.signature}\n  before restoring it: kvgraft slot verify {slot} --server URL "
                        f"--trusted-keys FILE --restore ID"}
 
 

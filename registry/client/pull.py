@@ -17,6 +17,7 @@ from kvgraft.schemas import (
     KvArtifactStatement,
     SchemaError,
     StagedDirectory,
+    Statement,
     statement_unverified,
 )
 from kvgraft.verifier import (
@@ -36,6 +37,13 @@ from .http import RegistryClient, checked_digest
 from .progress import progress_bar
 from .publish import MAX_CHAIN
 from .store import commit, local_write_error, safe_path, stage
+
+
+def signature_phrase(checked: bool, signers: tuple[str, ...]) -> str:
+    """One phrase on a pulled envelope's signature: who signed it, or that it was not checked."""
+    if checked:
+        return "signature verified: signed by " + ", ".join(signers)
+    return "signature NOT checked (no --trusted-keys given)"
 
 
 @dataclass(frozen=True)
@@ -64,9 +72,7 @@ class PullResult:
     @property
     def signature(self) -> str:
         """One phrase on the envelope's signature."""
-        if self.signature_checked:
-            return "signature verified: signed by " + ", ".join(self.signers)
-        return "signature NOT checked (no --trusted-keys given)"
+        return signature_phrase(self.signature_checked, self.signers)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON object for ``--json`` output."""
@@ -176,6 +182,28 @@ def _claim(client: RegistryClient, digest: str, trusted: TrustedKeys | None) -> 
     return doc
 
 
+def logged_statement(envelope: bytes, index: int, url: str, trusted: TrustedKeys | None, *, named: str) -> tuple[Statement, tuple[str, ...]]:
+    """The statement of entry ``index``'s logged envelope bytes (never the server's decoded copy),
+    its signature verified against ``trusted`` (the names of the keys that signed), or explicitly
+    unchecked when no keys are given (no signers). ``named`` says what a signature failure is about."""
+    signers: tuple[str, ...] = ()
+    try:
+        parsed = parse_envelope(envelope, source=f"the envelope of entry {index}")
+        if trusted is not None:
+            verified, statement = verify_statement_envelope(parsed, trusted)
+            signers = tuple(k.name for k in verified.signers)
+        else:
+            # Explicitly unchecked (no --trusted-keys): the result says so.
+            statement = statement_unverified(parsed, what=f"the envelope of entry {index}")
+    except (UnknownKeyError, BadSignatureError, ThresholdNotMetError) as e:
+        raise EnvelopeSignatureError(f"{named}: {e.message}", hint=e.hint) from e
+    except VerificationError as e:
+        raise EvidenceError(f"the envelope of entry {index} of {url} is not usable: {e.message}") from e
+    except SchemaError as e:
+        raise EvidenceError(f"the statement of entry {index} of {url} is not valid: {e}") from e
+    return statement, signers
+
+
 def _stage(
     client: RegistryClient,
     digest: str,
@@ -192,24 +220,7 @@ def _stage(
     envelope = client.envelope(entry_digest)
     index, head = verify_entry_evidence(client, url, envelope, doc.entry, doc.inclusion_proof, doc.checkpoint, key)
 
-    # The statement is read from the logged envelope bytes, never from the server's decoded copy.
-    signers: tuple[str, ...] = ()
-    try:
-        parsed = parse_envelope(envelope, source=f"the envelope of entry {index}")
-        if trusted is not None:
-            verified, statement = verify_statement_envelope(parsed, trusted)
-            signers = tuple(k.name for k in verified.signers)
-        else:
-            # Explicitly unchecked (no --trusted-keys): the result says so.
-            statement = statement_unverified(parsed, what=f"the envelope of entry {index}")
-    except (UnknownKeyError, BadSignatureError, ThresholdNotMetError) as e:
-        raise EnvelopeSignatureError(
-            f"artifact {digest} (entry {index} of {client.url}): {e.message}", hint=e.hint
-        ) from e
-    except VerificationError as e:
-        raise EvidenceError(f"the envelope of entry {index} of {client.url} is not usable: {e.message}") from e
-    except SchemaError as e:
-        raise EvidenceError(f"the statement of entry {index} of {client.url} is not valid: {e}") from e
+    statement, signers = logged_statement(envelope, index, client.url, trusted, named=f"artifact {digest} (entry {index} of {client.url})")
     if not isinstance(statement, KvArtifactStatement):
         raise EvidenceError(
             f"entry {index} of {client.url} is a {statement.predicate_type} statement, not a KV artifact"

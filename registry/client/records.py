@@ -15,21 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvgraft.schemas import RECORD_FILE, KvArtifactStatement, SchemaError, Statement, statement_unverified
-from kvgraft.verifier import (
-    BadSignatureError,
-    ThresholdNotMetError,
-    TrustedKeys,
-    UnknownKeyError,
-    VerificationError,
-    parse_envelope,
-    verify_statement_envelope,
-    verify_subjects,
-)
+from kvgraft.schemas import RECORD_FILE, KvArtifactStatement, Statement
+from kvgraft.verifier import TrustedKeys, VerificationError, verify_subjects
 
-from .errors import EnvelopeSignatureError, EvidenceError, LocalFilesError
+from .errors import EvidenceError, LocalFilesError
 from .evidence import RegistryKey, registry_key, verify_entry_evidence
 from .http import RegistryClient
+from .pull import logged_statement, signature_phrase
 from .store import commit, local_write_error, safe_path, stage
 
 
@@ -49,6 +41,11 @@ class RecordPullResult:
     signers: tuple[str, ...]
     signature_checked: bool
     registry_key: RegistryKey
+
+    @property
+    def signature(self) -> str:
+        """One phrase on the envelope's signature."""
+        return signature_phrase(self.signature_checked, self.signers)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON object for ``--json`` output."""
@@ -80,20 +77,7 @@ def pull_record(
         doc = client.entry(digest)
         index, head = verify_entry_evidence(client, f"{client.url}/v1/entries/{ref}", envelope, doc.entry,
                                             doc.inclusion_proof, doc.checkpoint, key)
-        signers: tuple[str, ...] = ()
-        try:
-            parsed = parse_envelope(envelope, source=f"the envelope of entry {index}")
-            if trusted_keys is not None:
-                verified, statement = verify_statement_envelope(parsed, trusted_keys)
-                signers = tuple(k.name for k in verified.signers)
-            else:
-                statement = statement_unverified(parsed, what=f"the envelope of entry {index}")
-        except (UnknownKeyError, BadSignatureError, ThresholdNotMetError) as e:
-            raise EnvelopeSignatureError(f"entry {index} of {client.url}: {e.message}", hint=e.hint) from e
-        except VerificationError as e:
-            raise EvidenceError(f"the envelope of entry {index} of {client.url} is not usable: {e.message}") from e
-        except SchemaError as e:
-            raise EvidenceError(f"the statement of entry {index} of {client.url} is not valid: {e}") from e
+        statement, signers = logged_statement(envelope, index, client.url, trusted_keys, named=f"entry {index} of {client.url}")
         if not isinstance(statement, statement_type):
             raise EvidenceError(f"entry {index} of {client.url} is a {statement.predicate_type} statement, "
                                 f"not a {statement_type.model_fields['predicate_type'].default} one",
