@@ -108,8 +108,17 @@ def registry(args: argparse.Namespace, key: Path) -> Iterator[tuple[str, str, Pa
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the registry did not start: see {server_log}")
             time.sleep(0.5)
+        # The token may publish under every key the experiment trusts: records signed on an earlier
+        # machine (whose private key stayed there) are logged beside this machine's.
+        keys = args.work / "publisher-keys"
+        keys.mkdir(exist_ok=True)
+        pems = [f"{key}.pub"]
+        for entry in json.loads((args.out / "trusted-keys.json").read_text())["keys"]:
+            pem = keys / f"{entry['keyid']}.pub.pem"
+            pem.write_text(entry["public_key_pem"])
+            pems.append(str(pem))
         r = subprocess.run([*KVGRAFT, "--json", "token", "create", "--data", str(data), "--publisher", "kvgraft-capability",
-                            "--key", f"{key}.pub"], capture_output=True, text=True, check=False)
+                            *[a for pem in pems for a in ("--key", pem)]], capture_output=True, text=True, check=False)
         if r.returncode != 0:
             raise SystemExit(f"token create failed: {r.stderr.strip()}")
         public = data / "registry-key.pub.pem"
@@ -201,6 +210,14 @@ def design_of(args: argparse.Namespace) -> Any:
                          DesignComparison(first=base, second=vote)],
         ),
     )
+
+
+def samples_journal(args: argparse.Namespace) -> Path:
+    """The samples shared by self-consistency@k and the flywheel: ``OUT/arms/samples.journal.jsonl``,
+    beside the arms' own journals, so that it is committed with them. A journal resumes only
+    under the profile that began it (its identity holds the device fingerprint): a later session
+    on a machine with the same CPU and llama.cpp build goes on from it; on another it is refused."""
+    return args.out / "arms" / "samples.journal.jsonl"
 
 
 def any_test_output(args: argparse.Namespace) -> list[Path]:
@@ -319,7 +336,7 @@ def part_arm(args: argparse.Namespace, arm: str, model: Any, profile: Any, key: 
             library = Library.open(args.work / "library", model, profile, trusted=trust_signer(key, None, name="experiment key"),
                                    graft_threshold=float(spec["graft_threshold"]))
         run = run_voted_eval(model, profile, TEST, out, key=key, mode="vote" if arm == vote else "flywheel", k=design.k,
-                             sampling=sampling, samples_journal=args.work / "samples.journal.jsonl",
+                             sampling=sampling, samples_journal=samples_journal(args),
                              max_new_tokens=int(spec["max_new_tokens"]), limit=int(spec["limit"]), seed=int(spec["seed"]),
                              batch=int(spec["batch"]), library=library, design=ref, on_item=item, on_sample=sample)
     a = run.statement.predicate.aggregates
@@ -392,6 +409,8 @@ def write_readme(args: argparse.Namespace, design: Any, summary: dict[str, Any])
         f"(two-sided), alpha {design.analysis.alpha}. Re-check an arm: `{verify}`.",
         "",
     ]
+    if (args.out / "first-log").exists():
+        lines += [FIRST_LOG, ""]
     if summary["missing"]:
         lines += [f"**Partial:** arms not finished yet: {', '.join(summary['missing'])}. Nothing below is extrapolated.", ""]
     lines += ["| arm | correct | accuracy (95% Wilson) | decode tokens | per problem | record |", "|---|---|---|---|---|---|"]
@@ -409,6 +428,16 @@ def write_readme(args: argparse.Namespace, design: Any, summary: dict[str, Any])
                          f"{'yes' if pair['significant_at_alpha'] else 'no'} |")
     (args.out / "README.md").write_text("\n".join(lines) + "\n")
 
+
+#: Why ``OUT/first-log`` exists: the README says so whenever it does.
+FIRST_LOG = (
+    "The design was first logged on 2026-12-06, as entry 0 of a registry on the machine that wrote it "
+    "(`first-log/`: its inclusion proof, checkpoint and registry key), before any test output. That registry's data "
+    "and the first signing key stayed on that machine; on 2026-12-08 the same signed design (same envelope) was "
+    "logged as entry 0 of a new registry, before any arm's record, and every arm is logged after it there "
+    "(`checkpoint.txt`, `registry-key.pub.pem`). Records signed on later machines are signed by the keys that "
+    "`trusted-keys.json` adds (`kvgraft-capability-5`, ...)."
+)
 
 PARTS = ("design", "library", "base", "vote", "flywheel", "publish", "table")
 
