@@ -269,14 +269,38 @@ def read_design(args: argparse.Namespace) -> Any:
 # --- the parts ------------------------------------------------------------------------------------
 
 
+def set_aside_foreign(journal: Path, profile: Any) -> None:
+    """Move ``journal`` aside when another profile began it (another CPU or llama.cpp build: its
+    header's profile, device fingerprint included, is not this one), so the part starts afresh
+    here instead of being refused. The journal is kept as ``NAME.<profile digest>.set-aside.jsonl``."""
+    from kvgraft.schemas import canonical_json, hex_of, sha256_bytes
+
+    if not journal.exists():
+        return
+    with journal.open("rb") as f:
+        first = f.readline(1 << 20)
+    try:
+        began = json.loads(first)["run"]["profile"]
+    except (ValueError, KeyError, TypeError):
+        return  # not a journal header: the engine refuses it with its own message
+    if began == profile.model_dump(mode="json"):
+        return
+    digest = hex_of(sha256_bytes(canonical_json(began)))[:12]
+    target = journal.with_name(journal.name.removesuffix(".journal.jsonl") + f".{digest}.set-aside.jsonl")
+    journal.rename(target)
+    log(f"{journal} was begun under another profile ({began.get('device_fingerprint', '?')[:80]}...): set aside as {target}")
+
+
 def part_library(args: argparse.Namespace, model: Any, profile: Any, key: Path) -> None:
-    from kvgraft.engine import Library, run_eval, trust_signer
+    from kvgraft.engine import Library, journal_path, run_eval, trust_signer
     from kvgraft.schemas import LIBRARY_FILE
     from kvgraft.verifier import load_dataset
 
     design = read_design(args)
     source = args.out / "library-source"
     if not source.exists():
+        set_aside_foreign(journal_path(source), profile)
+
         def item(n: int, total: int, it: Any) -> None:
             log(f"library-source {n + 1}/{total}: train doc {it.doc_id} {'right' if it.correct else 'wrong'} ({it.decode_tokens} tokens)")
             pause_while()
@@ -304,7 +328,7 @@ def part_library(args: argparse.Namespace, model: Any, profile: Any, key: Path) 
 
 
 def part_arm(args: argparse.Namespace, arm: str, model: Any, profile: Any, key: Path) -> None:
-    from kvgraft.engine import Library, Sampling, run_eval, run_voted_eval, trust_signer
+    from kvgraft.engine import Library, Sampling, journal_path, run_eval, run_voted_eval, trust_signer
 
     design = read_design(args)
     base, vote, fly = arm_names(design.k)
@@ -313,6 +337,9 @@ def part_arm(args: argparse.Namespace, arm: str, model: Any, profile: Any, key: 
         log(f"{arm}: {out} exists")
         return
     out.parent.mkdir(parents=True, exist_ok=True)
+    set_aside_foreign(journal_path(out), profile)
+    if arm != base:
+        set_aside_foreign(samples_journal(args), profile)
     spec = next(a for a in design.arms if a.name == arm).settings
     ref = design_ref(args, arm)
 
