@@ -27,7 +27,7 @@ from common import RESULTS, ROOT, say
 THREADED = ("restore_floor", "invariant_profile", "ttft")
 #: In the order they run: the quick ones first, the store last (it grows the library longest).
 SUITE = ("verifier_throughput", "restore_floor", "registry_throughput", "registry_reads", "registry_publish", "invariant_profile", "ttft",
-         "store_scaling", "engine_serve", "llamacpp")
+         "store_scaling", "engine_serve", "llamacpp", "flywheel_stream")
 
 
 def _load(name: str) -> dict[str, Any] | None:
@@ -122,6 +122,13 @@ def table() -> list[str]:
                 add("llamacpp", f"graft TTFT / llama.cpp state restore, {row['prefix_tokens']} tokens, {t['model']}",
                     f"{row['graft_over_llama_restore']:.2f}x (verification {row['graft_phases_median_s']['load']:.3f} s)",
                     f"<= {r['target'].get('graft_over_llama_restore_max', 1.1):g}x")
+    r = _load("flywheel_stream")
+    if r:
+        lib, base = r["table"]["library"]["all"], r["table"]["base"]["all"]
+        add("flywheel_stream", f"stream of {r['questions']} (deposited/paraphrased/new), {r['model']}: accuracy, decode "
+            "tokens per answer, p50 latency, library / base",
+            f"{lib['accuracy']:.2f} / {base['accuracy']:.2f}; {lib['decode_tokens_mean']:.0f} / {base['decode_tokens_mean']:.0f}; "
+            f"{lib['latency_p50_s']:.2f} / {base['latency_p50_s']:.2f} s; kinds {lib['kinds']}", "(measured)")
     r = _load("verifier_throughput")
     if r:
         add("verifier_throughput", "verifier hashing / sha256sum", f"{r['hashing']['ratio_verifier_over_sha256sum']:.2f}x", ">= 0.8x")
