@@ -220,10 +220,17 @@ def samples_journal(args: argparse.Namespace) -> Path:
     return args.out / "arms" / "samples.journal.jsonl"
 
 
+def began_marker(args: argparse.Namespace) -> Path:
+    """``WORK/test-output-began``: written when the first arm starts, so that a design made later
+    with the same work directory (and its registry) is refused even under another ``--out``."""
+    return args.work / "test-output-began"
+
+
 def any_test_output(args: argparse.Namespace) -> list[Path]:
     arms = args.out / "arms"
     found = [p for p in arms.iterdir()] if arms.exists() else []
-    return found + sorted(args.work.glob("samples*.journal.jsonl"))
+    marker = began_marker(args)
+    return found + ([marker] if marker.exists() else []) + sorted(args.work.glob("samples*.journal.jsonl"))
 
 
 def part_design(args: argparse.Namespace, model: Any, profile: Any, key: Path) -> None:
@@ -337,6 +344,8 @@ def part_arm(args: argparse.Namespace, arm: str, model: Any, profile: Any, key: 
         log(f"{arm}: {out} exists")
         return
     out.parent.mkdir(parents=True, exist_ok=True)
+    if not began_marker(args).exists():
+        began_marker(args).write_text(f"{arm} {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
     set_aside_foreign(journal_path(out), profile)
     if arm != base:
         set_aside_foreign(samples_journal(args), profile)
