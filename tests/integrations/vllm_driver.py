@@ -73,17 +73,28 @@ def run_batch(llm: Any, texts: list[Any]) -> list[dict[str, Any]]:
     return [_record(out) for out in llm.generate(texts, _params(), use_tqdm=False)]
 
 
-def block_of(store: Path, llm: Any, text: str, index: int) -> Path:
-    """The stored block directory of block ``index`` of ``text``, found by its chain key."""
-    from kvgraft.integrations.vllm import VllmBlockStatement, block_dir, chain_keys
+def engine_binding(store: Path) -> tuple[Any, int]:
+    """The engine's binding digest and block size, read from a block it stored. Read before any
+    block is forged: a forged block holds another model's binding, and which directory the
+    store lists first depends on the chain keys (the regression: on one machine the forged
+    block came first, and the retired block was looked up under the forged binding)."""
+    from kvgraft.integrations.vllm import VllmBlockStatement
     from kvgraft.schemas import statement_unverified
 
-    ids = llm.get_tokenizer().encode(text)
     some = next(p for p in store.iterdir() if p.is_dir() and not p.name.startswith("."))
     envelope = (some / "statement.dsse.json").read_bytes()
     statement = VllmBlockStatement.model_validate(statement_unverified(envelope).model_dump(by_alias=True), strict=False)
-    binding = statement.predicate.binding_digest
-    keys = chain_keys(binding, ids, statement.predicate.binding.block_size, index + 1)
+    return statement.predicate.binding_digest, statement.predicate.binding.block_size
+
+
+def block_of(store: Path, binding: tuple[Any, int], llm: Any, text: str, index: int) -> Path:
+    """The stored block directory of block ``index`` of ``text``, found by its chain key under the
+    engine's ``binding`` (``engine_binding``)."""
+    from kvgraft.integrations.vllm import block_dir, chain_keys
+
+    ids = llm.get_tokenizer().encode(text)
+    digest, block_size = binding
+    keys = chain_keys(digest, ids, block_size, index + 1)
     return block_dir(store, keys[index])
 
 
@@ -139,21 +150,22 @@ def main() -> int:
     if args.phase == "first":
         result["cold"] = run(llm, texts)
         result["stored_blocks"] = sum(1 for p in args.store.iterdir() if p.is_dir() and not p.name.startswith("."))
+        binding = engine_binding(args.store)
         llm.reset_prefix_cache()
         result["warm"] = run(llm, texts)
-        tampered = block_of(args.store, llm, texts[0], 2)
+        tampered = block_of(args.store, binding, llm, texts[0], 2)
         tamper(tampered)
         result["tampered_block"] = tampered.name
         llm.reset_prefix_cache()
         result["after_tamper"] = run(llm, texts)
-        forged = block_of(args.store, llm, texts[1], 2)
+        forged = block_of(args.store, binding, llm, texts[1], 2)
         forge_other_model(forged, args.key)
         result["forged_block"] = forged.name
         llm.reset_prefix_cache()
         result["after_forge"] = run(llm, texts)
         # A block retired from the store (deleted) while the engine runs is saved again by the
         # next request that computes it.
-        retired = block_of(args.store, llm, texts[3], 3)
+        retired = block_of(args.store, binding, llm, texts[3], 3)
         shutil.rmtree(retired)
         llm.reset_prefix_cache()
         result["after_retire"] = run(llm, texts)
