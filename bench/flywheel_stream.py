@@ -13,12 +13,14 @@ picks: llamacpp-cpu where llama.cpp is built):
   question moved first, a frame; another seed than the calibration's), and the rest new
   problems (GSM8K test, never deposited);
 - each server answers the whole stream, one server at a time on the same 2 cores, from
-  ``--clients`` concurrent clients (chat completions, greedy, budget ``--max-tokens``); every
-  answer must be a 200 with its ``kvgraft`` provenance.
+  ``--clients`` concurrent clients (greedy, budget ``--max-tokens``): the library server gets
+  each question as a chat message; the base server (no library) the prompt the library's own
+  unassisted answers run (``request``); every answer must be a 200 with its ``kvgraft``
+  provenance.
 
-Per group and overall, for each server: accuracy (the answer in ``kvgraft.answer``, graded
-against the train or test key by the verifier's grader; an unfinished decode has none and counts
-wrong), decode tokens (median and mean), latency (client side, p50 and p95) and every answer's
+Per group and overall, for each server: accuracy (``graded_answer``: the library server's
+``kvgraft.answer``, the base server's text read by the verifier's GSM8K grader; either graded
+against the train or test key; an unfinished decode has none and counts wrong), decode tokens (median and mean), latency (client side, p50 and p95) and every answer's
 kind counted (``recalled`` / ``assisted`` / ``unassisted``). The figures are one pass of the
 stream: its size is the repetition.
 
@@ -89,7 +91,37 @@ def make_stream(args: argparse.Namespace) -> tuple[list[dict[str, Any]], int]:
     return stream, with_solution[-1] + 1
 
 
-def run_stream(port: int, model: str, stream: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+def request(server: str, model: str, question: str, max_tokens: int) -> tuple[str, dict[str, Any]]:
+    """What each server is sent. The library server: the question as a chat message (it chooses
+    recall, graft or nothing). The base server: the same prompt the library's unassisted answers
+    run (the library's instruction, then ``Problem: ... Solution: Let's think step by step.``),
+    as a completion stopped where the next problem would begin, so that the two differ only by
+    the library."""
+    from kvgraft.engine import INSTRUCTION, question_text
+
+    if server == "library":
+        return "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": question}],
+                                        "max_tokens": max_tokens, "temperature": 0}
+    return "/v1/completions", {"model": model, "prompt": INSTRUCTION + question_text(question), "max_tokens": max_tokens,
+                               "temperature": 0, "stop": ["\nProblem:"]}
+
+
+def graded_answer(server: str, answer: dict[str, Any], prov: dict[str, Any]) -> tuple[str | None, bool]:
+    """The answer graded and whether the decode finished. The library server's is its own
+    ``kvgraft.answer`` (a recall's verified one, else the model's from a finished decode). A server
+    without a library extracts none (it knows no dataset kind): the verifier's GSM8K grader reads
+    the completion's text, of a finished decode only (EOS or the stop string)."""
+    from kvgraft.verifier import extract_answer
+
+    if server == "library":
+        return prov["answer"], bool(prov["finished"])
+    finished = prov["stopped_by"] in ("eos", "stop")
+    text = answer["choices"][0]["text"]
+    return (extract_answer("gsm8k", text) if finished else None), finished
+
+
+def run_stream(server: str, port: int, model: str, stream: list[dict[str, Any]],
+               args: argparse.Namespace) -> list[dict[str, Any]]:
     """Send the stream from ``args.clients`` clients (each takes the next question when free);
     one row per question: its latency, provenance and grade."""
     from kvgraft.verifier import load_dataset
@@ -110,23 +142,25 @@ def run_stream(port: int, model: str, stream: list[dict[str, Any]], args: argpar
                 if i >= len(stream) or errors:
                     return
                 q = stream[i]
-                body = json.dumps({"model": model, "messages": [{"role": "user", "content": q["question"]}],
-                                   "max_tokens": args.max_tokens, "temperature": 0}).encode("utf-8")
+                path, payload = request(server, model, q["question"], args.max_tokens)
+                body = json.dumps(payload).encode("utf-8")
                 t0 = time.perf_counter()
-                conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+                conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
                 r = conn.getresponse()
                 raw = r.read()
                 seconds = time.perf_counter() - t0
                 if r.status != 200:
                     raise SystemExit(f"question {i} ({q['group']}) answered {r.status}: {raw[:300]!r}")
-                prov = json.loads(raw).get("kvgraft")
+                answer = json.loads(raw)
+                prov = answer.get("kvgraft")
                 if not isinstance(prov, dict) or prov.get("kind") not in KINDS:
                     raise SystemExit(f"question {i} came back without its kvgraft provenance: {raw[:300]!r}")
+                graded, finished = graded_answer(server, answer, prov)
                 reference = keys[q["dataset"]].reference(q["doc"])
                 rows[i] = {**q, "seconds": round(seconds, 4), "kind": prov["kind"], "method": prov["method"],
-                           "score": prov["score"], "finished": prov["finished"], "stopped_by": prov["stopped_by"],
-                           "decode_tokens": prov["decode_tokens"], "answer": prov["answer"], "reference": reference,
-                           "correct": prov["answer"] is not None and prov["answer"] == reference}
+                           "score": prov["score"], "finished": finished, "stopped_by": prov["stopped_by"],
+                           "decode_tokens": prov["decode_tokens"], "answer": graded, "reference": reference,
+                           "correct": graded is not None and graded == reference}
         except BaseException as e:  # reported in the main thread
             errors.append(e)
         finally:
@@ -192,7 +226,7 @@ def main() -> None:
                                 seconds=600):
                 say(f"{server}: {len(stream)} questions from {args.clients} clients")
                 t0 = time.perf_counter()
-                results[server] = run_stream(port, args.model, stream, args)
+                results[server] = run_stream(server, port, args.model, stream, args)
                 say(f"{server}: {time.perf_counter() - t0:.0f} s, {sum(r['correct'] for r in results[server])} right")
     table = {server: {"all": summarize(rows), **{g: summarize([r for r in rows if r["group"] == g]) for g in GROUPS}}
              for server, rows in results.items()}

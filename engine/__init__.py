@@ -55,6 +55,7 @@ from ._internal.kvfile import deserialize, read_kv_file, serialize
 from ._internal.kvstate import KVState, Segment
 from ._internal.library import (
     GRAFT_THRESHOLD,
+    INSTRUCTION,
     MAX_INDEX_LINE_BYTES,
     NOTHING_GRAFTED,
     Answer,
@@ -63,6 +64,7 @@ from ._internal.library import (
     ProblemIndex,
     clean_solution,
     lookup_all,
+    question_text,
     read_index,
     read_meta,
     require_library_match,
@@ -157,4 +159,5 @@ __all__ = [
     "ServerIdentity", "SlotError", "VerifiedSlot", "envelope_path", "read_slot", "restore_slot", "server_identity", "sign_slot", "verify_slot",
     "ContextWindowError", "EngineServerConfigError", "EngineServerError", "NOTHING_GRAFTED", "ServeConfig", "ServeSettings",
     "ask_model", "create_engine_app", "ISA_LEVELS", "compute_dtype", "cpu_description", "lookup_all", "serve_engine", "ProblemIndex", "worked_solution", "journal_path", "read_index", "require_library_match", "MAX_INDEX_LINE_BYTES",
+    "INSTRUCTION", "question_text",
 ]
