@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import http.client
 import importlib.metadata
 import json
 import os
@@ -174,6 +175,19 @@ def corpus_text(n_chars: int) -> str:
             if total >= n_chars:
                 break
     return "".join(parts)
+
+
+def post_json(conn: http.client.HTTPConnection, path: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """POST ``body`` as JSON on a keep-alive connection: (seconds until the whole answer was read, the answer)."""
+    data = json.dumps(body).encode("utf-8")
+    t0 = time.perf_counter()
+    conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    raw = r.read()
+    seconds = time.perf_counter() - t0
+    if r.status != 200:
+        raise SystemExit(f"POST {path} answered {r.status}: {raw[:300]!r}")
+    return seconds, dict(json.loads(raw))
 
 
 # --- a real kvgraft serve on 127.0.0.1 (the registry benchmarks) ---------------------------------

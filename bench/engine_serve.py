@@ -44,7 +44,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import KVGRAFT, QUICK, ROOT, figure, free_port, median, percentile, say, server_process, write_result
+from common import (
+    KVGRAFT,
+    QUICK,
+    ROOT,
+    figure,
+    free_port,
+    median,
+    percentile,
+    post_json,
+    say,
+    server_process,
+    write_result,
+)
 
 TARGET_RECALL_P50_S = 0.3
 TARGET_RECALL_SPEEDUP = 20.0
@@ -64,19 +76,6 @@ def _run(*args: str | Path) -> dict[str, Any]:
     if done.returncode != 0:
         raise SystemExit(f"kvgraft {' '.join(map(str, args[:3]))} failed: {done.stderr.strip()[-600:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
-
-
-def _post(conn: http.client.HTTPConnection, path: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """POST ``body`` as JSON on a keep-alive connection: (seconds until the whole answer was read, the answer)."""
-    data = json.dumps(body).encode("utf-8")
-    t0 = time.perf_counter()
-    conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
-    r = conn.getresponse()
-    raw = r.read()
-    seconds = time.perf_counter() - t0
-    if r.status != 200:
-        raise SystemExit(f"POST {path} answered {r.status}: {raw[:300]!r}")
-    return seconds, dict(json.loads(raw))
 
 
 class Target:
@@ -122,7 +121,7 @@ def _measure(target: Target, clients: int, per_client: int) -> dict[str, Any]:
             barrier.wait()
             for k in range(per_client):
                 path, body = target.body(c * per_client + k)
-                seconds, answer = _post(conn, path, body)
+                seconds, answer = post_json(conn, path, body)
                 n = target.check(answer)
                 with lock:
                     times.append(seconds)

@@ -43,7 +43,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import KVGRAFT, QUICK, ROOT, figure, free_port, median, percentile, say, server_process, write_result
+from common import (
+    KVGRAFT,
+    QUICK,
+    ROOT,
+    figure,
+    free_port,
+    median,
+    percentile,
+    post_json,
+    say,
+    server_process,
+    write_result,
+)
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from calibrate_graft_threshold import paraphrase  # noqa: E402  (the calibration's rule, one place)
@@ -143,18 +155,10 @@ def run_stream(server: str, port: int, model: str, stream: list[dict[str, Any]],
                     return
                 q = stream[i]
                 path, payload = request(server, model, q["question"], args.max_tokens)
-                body = json.dumps(payload).encode("utf-8")
-                t0 = time.perf_counter()
-                conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
-                r = conn.getresponse()
-                raw = r.read()
-                seconds = time.perf_counter() - t0
-                if r.status != 200:
-                    raise SystemExit(f"question {i} ({q['group']}) answered {r.status}: {raw[:300]!r}")
-                answer = json.loads(raw)
+                seconds, answer = post_json(conn, path, payload)
                 prov = answer.get("kvgraft")
                 if not isinstance(prov, dict) or prov.get("kind") not in KINDS:
-                    raise SystemExit(f"question {i} came back without its kvgraft provenance: {raw[:300]!r}")
+                    raise SystemExit(f"question {i} came back without its kvgraft provenance: {json.dumps(answer)[:300]}")
                 graded, finished = graded_answer(server, answer, prov)
                 reference = keys[q["dataset"]].reference(q["doc"])
                 rows[i] = {**q, "seconds": round(seconds, 4), "kind": prov["kind"], "method": prov["method"],
