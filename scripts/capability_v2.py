@@ -216,7 +216,8 @@ def samples_journal(args: argparse.Namespace) -> Path:
     """The samples shared by self-consistency@k and the flywheel: ``OUT/arms/samples.journal.jsonl``,
     beside the arms' own journals, so that it is committed with them. A journal resumes only
     under the profile that began it (its identity holds the device fingerprint): a later session
-    on a machine with the same CPU and llama.cpp build goes on from it; on another it is refused."""
+    on a machine with the same CPU and llama.cpp build goes on from it; on another ``set_aside_foreign``
+    moves it aside and the arm starts afresh."""
     return args.out / "arms" / "samples.journal.jsonl"
 
 
